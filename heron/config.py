@@ -1,0 +1,89 @@
+"""Frozen configuration dataclasses. Every knob of the engine lives here, validated once."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_DTYPES = {
+    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+}
+
+
+def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    """Map a user-facing dtype name onto a torch dtype, or raise a clear ValueError."""
+    if isinstance(name, torch.dtype):
+        if name in _DTYPES.values():
+            return name
+        raise ValueError(f"unsupported dtype {name}; choose one of float32, bfloat16, float16")
+    try:
+        return _DTYPES[name.lower()]
+    except KeyError:
+        raise ValueError(
+            f"unsupported dtype {name!r}; choose one of float32, bfloat16, float16") from None
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Paged KV cache sizing.
+
+    The pool is sized from memory that is really available after the weights are loaded
+    (``memory_fraction`` of it), capped by ``max_memory_gb`` and, if given, ``num_blocks``.
+    """
+
+    block_size: int = 16
+    num_blocks: int | None = None
+    max_memory_gb: float | None = None
+    memory_fraction: float = 0.5
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_blocks}")
+        if not 0.0 < self.memory_fraction <= 1.0:
+            raise ValueError(f"memory_fraction must be in (0, 1], got {self.memory_fraction}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Per-step limits of continuous batching.
+
+    Each step schedules at most ``max_num_batched_tokens`` tokens over at most ``max_num_seqs``
+    requests; a prompt longer than the budget is prefilled in chunks (chunked prefill).
+    """
+
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 128
+
+    def __post_init__(self) -> None:
+        if self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_batched_tokens must be >= 1")
+        if self.max_num_seqs < 1:
+            raise ValueError("max_num_seqs must be >= 1")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything the engine needs to start: which model, how to run it, how to batch."""
+
+    model: str | None = None  # HF directory, .gguf file, or None for the embedded SmolLM2
+    dtype: str = "float32"
+    max_model_len: int | None = None
+    attention_backend: str = "torch"
+    seed: int = 0
+    cache: CacheConfig = CacheConfig()
+    scheduler: SchedulerConfig = SchedulerConfig()
+    num_threads: int | None = None
+
+    def __post_init__(self) -> None:
+        parse_dtype(self.dtype)
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return parse_dtype(self.dtype)

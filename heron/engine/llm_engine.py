@@ -1,0 +1,215 @@
+"""The synchronous engine: add requests, step (schedule -> run -> postprocess), collect outputs."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+
+import torch
+
+from heron.config import EngineConfig
+from heron.engine.detokenizer import IncrementalDetokenizer
+from heron.engine.kv_cache import KVCacheManager
+from heron.engine.output_processor import RequestGroup
+from heron.engine.request import Request, RequestStatus
+from heron.engine.scheduler import Scheduler, SchedulerOutput
+from heron.loader.model_source import resolve_model
+from heron.loader.weights import build_model, load_weights
+from heron.models import ModelArchConfig
+from heron.outputs import RequestOutput
+from heron.runner.memory import num_kv_blocks
+from heron.runner.model_runner import ModelRunner, StepResult
+from heron.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+def _load_tokenizer(tokenizer_dir):
+    if tokenizer_dir is None:
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(tokenizer_dir))
+
+
+def _eos_ids(source, arch: ModelArchConfig) -> tuple[int, ...]:
+    eos = source.generation_config.get("eos_token_id")
+    if eos is None:
+        return arch.eos_token_ids
+    return tuple(eos) if isinstance(eos, list) else (eos,)
+
+
+class LLMEngine:
+    """Owns the scheduler, the KV cache and the model runner of one model."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        started = time.monotonic()
+        source = resolve_model(config.model)
+        self.arch = ModelArchConfig.from_hf(source.hf_config)
+        self.model_name = source.name
+        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        dtype = config.torch_dtype
+        model = build_model(self.arch, dtype, self.device)
+        load_weights(model, source.weights(), dtype)
+        self.tokenizer = _load_tokenizer(source.tokenizer_dir)
+        self.eos_token_ids = _eos_ids(source, self.arch)
+        self.max_model_len = config.max_model_len or self.arch.max_position_embeddings
+        block_size = config.cache.block_size
+        blocks = num_kv_blocks(self.arch, config.cache, dtype, self.device,
+                               config.scheduler.max_num_seqs * self.max_model_len)
+        self._fit_max_model_len(blocks * block_size)
+        self.kv_cache = KVCacheManager(blocks, block_size)
+        self.scheduler = Scheduler(config.scheduler, self.kv_cache)
+        self.runner = ModelRunner(model, blocks, block_size, dtype, self.device,
+                                  config.attention_backend, config.seed)
+        self.groups: dict[str, RequestGroup] = {}
+        self._ids = itertools.count()
+        logger.info("heron engine ready: %s (%s, %s) with %d KV blocks x %d tokens in %.1fs",
+                    self.model_name, self.arch.architecture, config.dtype, blocks, block_size,
+                    time.monotonic() - started)
+
+    def _fit_max_model_len(self, capacity: int) -> None:
+        if self.max_model_len <= capacity:
+            return
+        if self.config.max_model_len is not None:
+            raise ValueError(f"max_model_len {self.max_model_len} exceeds the KV cache capacity "
+                             f"of {capacity} tokens; lower it or give the cache more memory")
+        logger.warning("max_model_len lowered from %d to the KV capacity %d",
+                       self.max_model_len, capacity)
+        self.max_model_len = capacity
+
+    # ---- requests ------------------------------------------------------------------------
+    def new_request_id(self) -> str:
+        return str(next(self._ids))
+
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer: pass prompt token ids instead")
+            return self.tokenizer(prompt).input_ids
+        return list(prompt)
+
+    def validate_prompt(self, token_ids: list[int]) -> None:
+        if not token_ids:
+            raise ValueError("the prompt is empty")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(f"the prompt has {len(token_ids)} tokens but max_model_len is "
+                             f"{self.max_model_len}: no room to generate")
+        bad = [t for t in token_ids if not 0 <= t < self.arch.vocab_size]
+        if bad:
+            raise ValueError(f"token ids out of the vocabulary [0, {self.arch.vocab_size}): "
+                             f"{bad[:5]}")
+
+    def add_request(self, request_id: str, prompt: str | list[int],
+                    params: SamplingParams) -> None:
+        """Validate and queue; raises ValueError (queueing nothing) for bad input."""
+        if request_id in self.groups:
+            raise ValueError(f"duplicate request id {request_id!r}")
+        token_ids = self.tokenize(prompt)
+        self.validate_prompt(token_ids)
+        room = self.max_model_len - len(token_ids)
+        max_tokens = min(params.max_tokens or room, room)
+        children = [self._child(request_id, i, token_ids, params, max_tokens)
+                    for i in range(params.n)]
+        detoks = [self._detokenizer(token_ids, params) for _ in children]
+        self.groups[request_id] = RequestGroup(
+            request_id, prompt if isinstance(prompt, str) else None, children, detoks)
+        for child in children:
+            self.scheduler.add(child)
+
+    def _child(self, request_id, index, token_ids, params, max_tokens) -> Request:
+        child = Request(request_id if params.n == 1 else f"{request_id}#{index}", list(token_ids),
+                        params, eos_token_ids=self.eos_token_ids, max_tokens=max_tokens,
+                        parent_id=request_id, index=index)
+        if params.seed is not None and index > 0:
+            child.generator = torch.Generator().manual_seed(params.seed + index)
+        return child
+
+    def _detokenizer(self, token_ids, params) -> IncrementalDetokenizer | None:
+        if self.tokenizer is None:
+            return None
+        return IncrementalDetokenizer(self.tokenizer, token_ids, params.stop,
+                                      params.include_stop_str_in_output,
+                                      params.skip_special_tokens)
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        group = self.groups.pop(request_id, None)
+        if group is None:
+            return None
+        for child in group.children:
+            if not child.is_finished:
+                self.scheduler.finish(child, RequestStatus.FINISHED_ABORTED)
+        return group.to_output()
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.groups)
+
+    # ---- the step ------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """One engine iteration; returns outputs of requests that made progress."""
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return []
+        result = self.runner.execute(sched)
+        self.scheduler.update_after_step(sched)
+        return self._postprocess(sched, result)
+
+    def _postprocess(self, sched: SchedulerOutput, result: StepResult) -> list[RequestOutput]:
+        touched: dict[str, RequestGroup] = {}
+        now = time.monotonic()
+        for s in sched.scheduled:
+            req = s.request
+            group = self.groups[req.parent_id]
+            if req.request_id in result.prompt_logprobs:
+                lps = result.prompt_logprobs[req.request_id]
+                first = req.num_computed_tokens - s.num_tokens + 1
+                req.prompt_logprobs[first:first + len(lps)] = lps
+            token = result.sampled.get(req.request_id)
+            if token is None:
+                continue  # mid-prefill chunk
+            self._append_token(req, token, result, now)
+            stop = group.update_text(req.index)
+            if stop is not None and not req.is_finished:
+                req.stop_reason = stop
+                self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
+            touched[group.request_id] = group
+        outputs = [g.to_output() for g in touched.values()]
+        for out in outputs:
+            if out.finished:
+                del self.groups[out.request_id]
+        return outputs
+
+    def _append_token(self, req: Request, token: int, result: StepResult, now: float) -> None:
+        req.output_token_ids.append(token)
+        if req.first_token_time is None:
+            req.first_token_time = now
+        if req.request_id in result.logprobs:
+            req.logprobs.append(result.logprobs[req.request_id])
+        status = self._token_stop(req, token)
+        if status is not None:
+            self.scheduler.finish(req, status)
+
+    def _token_stop(self, req: Request, token: int) -> RequestStatus | None:
+        params = req.params
+        if req.num_output_tokens >= params.min_tokens:
+            if token in req.eos_token_ids and not params.ignore_eos:
+                return RequestStatus.FINISHED_STOPPED
+            if token in params.stop_token_ids:
+                req.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+        if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    # ---- introspection -------------------------------------------------------------------
+    def stats(self) -> dict:
+        return {
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+            "kv_cache_usage": self.kv_cache.usage,
+            "num_free_blocks": self.kv_cache.pool.num_free_blocks,
+            "num_blocks": self.kv_cache.num_blocks,
+            "num_preemptions": self.scheduler.stats.num_preemptions,
+        }

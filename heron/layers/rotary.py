@@ -1,0 +1,80 @@
+"""Rotary position embedding (HF "rotate_half" layout) with default, linear and llama3 scaling."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
+    """Llama 3.1 frequency smoothing: long wavelengths slowed by ``factor``, short ones kept,
+    the band in between interpolated."""
+    factor = scaling["factor"]
+    low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
+    old_len = scaling["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return torch.where(medium, smoothed, scaled)
+
+
+def compute_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    if rope_type == "default":
+        return inv_freq
+    if rope_type == "linear":
+        return inv_freq / scaling["factor"]
+    if rope_type == "llama3":
+        return _llama3_inv_freq(inv_freq, scaling)
+    raise ValueError(f"unsupported rope scaling type {rope_type!r} "
+                     f"(supported: default, linear, llama3)")
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """q: (T, H, D), k: (T, KVH, D), cos/sin: (T, 1, D) -> rotated q, k."""
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables for RoPE, looked up once per step and shared by every layer.
+
+    Tables are built lazily on the first call's device (the module may be created on the
+    meta device) and grown on demand.
+    """
+
+    def __init__(self, head_dim: int, theta: float, scaling: dict | None) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        self.theta = theta
+        self.scaling = scaling
+        compute_inv_freq(head_dim, theta, scaling)  # validate eagerly
+        self._cos: torch.Tensor | None = None
+        self._sin: torch.Tensor | None = None
+
+    def _build(self, length: int, device: torch.device) -> None:
+        with torch.device("cpu"):
+            inv_freq = compute_inv_freq(self.head_dim, self.theta, self.scaling)
+            t = torch.arange(length, dtype=torch.int64).float()
+        freqs = torch.outer(t, inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)  # (length, D)
+        self._cos, self._sin = emb.cos().to(device), emb.sin().to(device)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype):
+        """positions: (T,) -> cos, sin: (T, 1, D) in ``dtype``."""
+        max_pos = int(positions.max()) if positions.numel() else 0
+        if self._cos is None or self._cos.device != positions.device or \
+                max_pos >= self._cos.shape[0]:
+            self._build(max(4096, 2 * (max_pos + 1)), positions.device)
+        cos = self._cos[positions].unsqueeze(1).to(dtype)
+        sin = self._sin[positions].unsqueeze(1).to(dtype)
+        return cos, sin

@@ -1,0 +1,80 @@
+"""Where a model comes from: an HF directory, a GGUF file, or the embedded default."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator
+
+import torch
+
+from heron.loader import safetensors_weights
+
+WeightsFn = Callable[[], Iterator[tuple[str, torch.Tensor]]]
+
+
+@dataclass
+class ModelSource:
+    """A resolved model: its HF-style config, a weight iterator, and a tokenizer directory."""
+
+    name: str
+    hf_config: dict
+    weights: WeightsFn
+    tokenizer_dir: Path | None
+    generation_config: dict
+
+
+def _read_json(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def _from_hf_dir(path: Path) -> ModelSource:
+    config_path = path / "config.json"
+    if not config_path.is_file():
+        raise FileNotFoundError(f"{path} is not a Hugging Face model directory (no config.json)")
+    files = safetensors_weights.find_safetensors(path)
+    has_tokenizer = any((path / f).is_file() for f in ("tokenizer.json", "tokenizer.model",
+                                                       "tokenizer_config.json"))
+    return ModelSource(
+        name=str(path),
+        hf_config=_read_json(config_path),
+        weights=lambda: safetensors_weights.iter_safetensors(files),
+        tokenizer_dir=path if has_tokenizer else None,
+        generation_config=_read_json(path / "generation_config.json"),
+    )
+
+
+def _from_gguf(path: Path) -> ModelSource:
+    from heron.loader import gguf_loader
+
+    config = gguf_loader.read_gguf_config(path)
+    tokenizer_dir = gguf_loader.prepare_gguf_tokenizer_dir(path)
+    return ModelSource(
+        name=str(path),
+        hf_config=config,
+        weights=lambda: gguf_loader.iter_gguf_weights(path, config),
+        tokenizer_dir=tokenizer_dir,
+        generation_config=_read_json(tokenizer_dir / "generation_config.json"),
+    )
+
+
+def resolve_model(model: str | None) -> ModelSource:
+    """Resolve ``model`` (None = the embedded SmolLM2-135M-Instruct GGUF)."""
+    if model is None:
+        from heron.loader.gguf_loader import find_default_gguf
+
+        return _from_gguf(find_default_gguf())
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(
+            f"model {model!r} not found: pass a Hugging Face model directory or a .gguf file "
+            f"(no model hub is contacted)")
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ValueError(f"{model!r} is a file but not a .gguf file")
+        return _from_gguf(path)
+    ggufs = sorted(path.glob("*.gguf"))
+    if not (path / "config.json").is_file() and len(ggufs) == 1:
+        return _from_gguf(ggufs[0])
+    return _from_hf_dir(path)

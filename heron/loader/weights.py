@@ -1,0 +1,75 @@
+"""Build a model on the meta device and load checkpoint tensors through its parameters."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+
+import torch
+from torch import nn
+
+from heron.layers.linear import default_weight_loader
+from heron.models import ModelArchConfig, get_model_class
+
+logger = logging.getLogger(__name__)
+
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype):
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def _route(name: str, packed: dict[str, tuple[str, int]]) -> tuple[str, int | None]:
+    """HF tensor name -> (heron parameter name, shard index of a fused parameter or None)."""
+    for hf_proj, (fused, shard) in packed.items():
+        token = f".{hf_proj}."
+        if token in name:
+            return name.replace(token, f".{fused}."), shard
+    return name, None
+
+
+def build_model(arch: ModelArchConfig, dtype: torch.dtype, device: torch.device) -> nn.Module:
+    """Instantiate without allocating (meta), then materialise uninitialised on ``device``."""
+    cls = get_model_class(arch.architecture)
+    with torch.device("meta"), _default_dtype(dtype):
+        model = cls(arch)
+    model.to_empty(device=device)
+    if arch.tie_word_embeddings:  # to_empty gives each module its own copy: re-tie
+        model.lm_head.weight = model.model.embed_tokens.weight
+    return model.eval()
+
+
+def load_weights(model: nn.Module, weights, dtype: torch.dtype) -> None:
+    """Copy every checkpoint tensor into its parameter; fail on anything missing."""
+    params = dict(model.named_parameters())
+    packed = getattr(model, "packed_modules", {})
+    tied = model.config.tie_word_embeddings
+    expected = {name: len(getattr(_owner(model, name), "output_sizes", [None]))
+                for name in params if not (tied and name == "lm_head.weight")}
+    loaded: dict[str, set] = {}
+    for hf_name, tensor in weights:
+        if hf_name.endswith(_IGNORED_SUFFIXES) or (tied and hf_name == "lm_head.weight"):
+            continue
+        name, shard = _route(hf_name, packed)
+        param = params.get(name)
+        if param is None:
+            logger.warning("ignoring checkpoint tensor %s (no matching parameter)", hf_name)
+            continue
+        loader = getattr(_owner(model, name), "load_weight", default_weight_loader)
+        loader(param, tensor.to(dtype), shard)
+        loaded.setdefault(name, set()).add(shard)
+    missing = [n for n, shards in expected.items() if len(loaded.get(n, ())) < shards]
+    if missing:
+        raise ValueError(f"checkpoint lacks weights for: {', '.join(missing[:8])}"
+                         + (" ..." if len(missing) > 8 else ""))
+
+
+def _owner(model: nn.Module, param_name: str) -> nn.Module:
+    return model.get_submodule(param_name.rsplit(".", 1)[0])

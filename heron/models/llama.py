@@ -1,0 +1,118 @@
+"""The Llama decoder, which Mistral, Qwen2 and Qwen3 specialise with a few flags.
+
+Shapes: the batch is flat, ``input_ids``/``positions`` are (T,), hidden states (T, hidden).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from heron.attention import get_forward_context
+from heron.layers.activation import silu_and_mul
+from heron.layers.embedding import LMHead, VocabEmbedding
+from heron.layers.linear import Linear, MergedLinear
+from heron.layers.norm import RMSNorm
+from heron.layers.rotary import RotaryEmbedding, apply_rotary
+from heron.models.config import ModelArchConfig
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelArchConfig, layer_idx: int, qkv_bias: bool, qk_norm: bool):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.scale = cfg.head_dim ** -0.5
+        self.sliding_window = cfg.sliding_window
+        self.qkv_proj = MergedLinear(cfg.hidden_size, [cfg.q_size, cfg.kv_size, cfg.kv_size], qkv_bias)
+        self.o_proj = Linear(cfg.q_size, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if qk_norm else None
+
+    def forward(self, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]):
+        q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
+        q = q.view(-1, self.num_heads, self.head_dim)  # (T, H, D)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)  # (T, KVH, D)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, k, *rope)
+        ctx = get_forward_context()
+        out = ctx.backend.forward(q, k, v, ctx.kv_caches[self.layer_idx], ctx.attn_metadata,
+                                  self.scale, self.sliding_window)
+        return self.o_proj(out.reshape(-1, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelArchConfig):
+        super().__init__()
+        self.gate_up_proj = MergedLinear(cfg.hidden_size, [cfg.intermediate_size] * 2)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelArchConfig, layer_idx: int, qkv_bias: bool, qk_norm: bool):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, layer_idx, qkv_bias, qk_norm)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, hidden: torch.Tensor, rope) -> torch.Tensor:
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), rope)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, cfg: ModelArchConfig, qkv_bias: bool, qk_norm: bool):
+        super().__init__()
+        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
+        self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, i, qkv_bias, qk_norm) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        rope = self.rotary_emb(positions, hidden.dtype)
+        for layer in self.layers:
+            hidden = layer(hidden, rope)
+        return self.norm(hidden)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama 2/3 (incl. llama3 rope scaling), SmolLM2, and the base of the variants below."""
+
+    qkv_bias = False
+    qk_norm = False
+    # HF checkpoint projection name -> (fused parameter, shard index)
+    packed_modules = {
+        "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+        "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, cfg: ModelArchConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = DecoderModel(cfg, self._qkv_bias(cfg), self.qk_norm)
+        self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @classmethod
+    def _qkv_bias(cls, cfg: ModelArchConfig) -> bool:
+        return cls.qkv_bias or cfg.attention_bias
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden (N, hidden) -> float32 logits (N, vocab)."""
+        return self.lm_head(hidden)
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    """Mistral: Llama with an optional sliding attention window (read from the config)."""

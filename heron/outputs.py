@@ -1,0 +1,37 @@
+"""Results returned by the engine and the offline API."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# One position's logprobs: token id -> (logprob, rank in the full vocabulary, 1-based).
+PositionLogprobs = dict[int, tuple[float, int]]
+
+
+@dataclass
+class CompletionOutput:
+    """One of the n sequences generated for a prompt."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[PositionLogprobs] | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
+    stop_reason: int | str | None = None  # the stop string or stop token that ended it
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    """Everything known about a request so far (final when ``finished``)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = False
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
+    metrics: dict = field(default_factory=dict)

@@ -1,0 +1,49 @@
+"""Size the KV pool from the memory that is really left after the weights are loaded."""
+
+from __future__ import annotations
+
+import torch
+
+from heron.config import CacheConfig
+from heron.models import ModelArchConfig
+
+# On CPU the pool is zero-filled up front, so keep the default modest; --kv-cache-memory lifts it.
+CPU_DEFAULT_MAX_GB = 4.0
+
+
+def bytes_per_block(arch: ModelArchConfig, block_size: int, dtype: torch.dtype) -> int:
+    """K and V for ``block_size`` tokens across every layer."""
+    elem = torch.finfo(dtype).bits // 8
+    return 2 * arch.num_layers * block_size * arch.num_kv_heads * arch.head_dim * elem
+
+
+def available_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free
+    with open("/proc/meminfo") as f:
+        info = {line.split(":")[0]: int(line.split()[1]) for line in f}
+    return info["MemAvailable"] * 1024
+
+
+def num_kv_blocks(arch: ModelArchConfig, cache: CacheConfig, dtype: torch.dtype,
+                  device: torch.device, max_useful_tokens: int) -> int:
+    """Blocks that fit in ``memory_fraction`` of available memory, under the caps.
+
+    ``max_useful_tokens`` (max_num_seqs x max_model_len) bounds the pool: more is never used.
+    """
+    if cache.num_blocks is not None:
+        return cache.num_blocks
+    budget = available_bytes(device) * cache.memory_fraction
+    cap_gb = cache.max_memory_gb
+    if cap_gb is None and device.type == "cpu":
+        cap_gb = CPU_DEFAULT_MAX_GB
+    if cap_gb is not None:
+        budget = min(budget, cap_gb * 1024**3)
+    per_block = bytes_per_block(arch, cache.block_size, dtype)
+    useful = -(-max_useful_tokens // cache.block_size)
+    blocks = min(int(budget // per_block), useful)
+    if blocks < 1:
+        raise RuntimeError(f"not enough memory for a single KV block ({per_block} bytes); "
+                           f"lower --max-model-len or raise --kv-cache-memory")
+    return blocks

@@ -1,0 +1,126 @@
+"""Turn a batch of float32 logits into next tokens (and logprobs), one row per request.
+
+Order of operations per row: raw logprobs (what is reported) -> penalties -> min_tokens
+masking -> greedy argmax, or temperature -> top-k -> top-p -> min-p -> sample.
+Seeded requests draw from their own generator, so their output does not depend on the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from heron.engine.request import Request
+from heron.outputs import PositionLogprobs
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[PositionLogprobs | None]
+
+
+def top_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, k: int) -> PositionLogprobs:
+    """logprobs (V,) of one position -> {token: (logprob, rank)} for the chosen token and top-k."""
+    chosen = int(token_ids)
+    chosen_lp = logprobs[chosen]
+    result = {chosen: (float(chosen_lp), int((logprobs > chosen_lp).sum()) + 1)}
+    if k > 0:
+        values, ids = logprobs.topk(k)
+        for rank, (lp, tid) in enumerate(zip(values.tolist(), ids.tolist()), start=1):
+            result.setdefault(tid, (lp, rank))
+    return result
+
+
+def _apply_penalties(logits: torch.Tensor, requests: list[Request]) -> None:
+    """In place. Repetition penalty over prompt + output (HF semantics); presence and
+    frequency penalties over output tokens only (OpenAI semantics)."""
+    vocab = logits.shape[-1]
+    for row, req in enumerate(requests):
+        p = req.params
+        if not p.uses_penalties:
+            continue
+        if p.repetition_penalty != 1.0:
+            seen = torch.tensor(sorted(set(req.all_token_ids())), dtype=torch.long)
+            vals = logits[row, seen]
+            logits[row, seen] = torch.where(vals > 0, vals / p.repetition_penalty,
+                                            vals * p.repetition_penalty)
+        if req.output_token_ids and (p.presence_penalty or p.frequency_penalty):
+            counts = torch.bincount(torch.tensor(req.output_token_ids), minlength=vocab)
+            counts = counts[:vocab].to(logits.dtype)
+            logits[row] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
+
+
+def _mask_min_tokens(logits: torch.Tensor, requests: list[Request]) -> None:
+    for row, req in enumerate(requests):
+        if req.num_output_tokens < req.params.min_tokens:
+            banned = list(req.params.stop_token_ids)
+            if not req.params.ignore_eos:
+                banned.extend(req.eos_token_ids)
+            if banned:
+                logits[row, banned] = float("-inf")
+
+
+def _filter(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    """Temperature, top-k, top-p and min-p on rows that sample; returns probabilities."""
+    temps = torch.tensor([r.params.temperature for r in requests], dtype=logits.dtype)
+    logits = logits / temps.unsqueeze(1)
+    vocab = logits.shape[-1]
+    top_k = torch.tensor([r.params.top_k or vocab for r in requests]).clamp(max=vocab)
+    top_p = torch.tensor([r.params.top_p for r in requests], dtype=logits.dtype)
+    if bool((top_k < vocab).any() or (top_p < 1.0).any()):
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        ranks = torch.arange(vocab).unsqueeze(0)
+        drop = ranks >= top_k.unsqueeze(1)
+        sorted_probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(-1)
+        mass_before = sorted_probs.cumsum(-1) - sorted_probs
+        drop |= mass_before > top_p.unsqueeze(1)  # keeps at least the top token
+        logits = logits.scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))
+    probs = logits.softmax(-1)
+    min_p = torch.tensor([r.params.min_p for r in requests], dtype=probs.dtype)
+    if bool((min_p > 0).any()):
+        threshold = min_p.unsqueeze(1) * probs.max(-1, keepdim=True).values
+        probs = probs.masked_fill(probs < threshold, 0.0)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def _draw(probs: torch.Tensor, requests: list[Request], generator: torch.Generator):
+    """Exponential-race sampling: argmax(p / E), E ~ Exp(1), one draw per row."""
+    noise = torch.empty_like(probs)
+    unseeded = [i for i, r in enumerate(requests) if r.generator is None]
+    if unseeded:
+        noise[unseeded] = torch.empty(len(unseeded), probs.shape[1]).exponential_(
+            generator=generator)
+    for i, r in enumerate(requests):
+        if r.generator is not None:
+            noise[i].exponential_(generator=r.generator)
+    return (probs / noise).argmax(-1)
+
+
+class Sampler:
+    def __init__(self, seed: int = 0) -> None:
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
+        """logits: (B, V) float32, one row per request that samples this step."""
+        logits = logits.float().cpu()
+        raw_logprobs = None
+        if any(r.params.logprobs is not None for r in requests):
+            raw_logprobs = logits.log_softmax(-1)
+        if any(r.params.uses_penalties or r.params.min_tokens for r in requests):
+            logits = logits.clone()
+            _apply_penalties(logits, requests)
+            _mask_min_tokens(logits, requests)
+        tokens = logits.argmax(-1)
+        sampling_rows = [i for i, r in enumerate(requests) if not r.params.greedy]
+        if sampling_rows:
+            subset = [requests[i] for i in sampling_rows]
+            probs = _filter(logits[sampling_rows], subset)
+            tokens[sampling_rows] = _draw(probs, subset, self.generator)
+        logprobs: list[PositionLogprobs | None] = [None] * len(requests)
+        for i, r in enumerate(requests):
+            if r.params.logprobs is not None:
+                logprobs[i] = top_logprobs(raw_logprobs[i], tokens[i], r.params.logprobs)
+        return SamplerOutput(tokens.tolist(), logprobs)

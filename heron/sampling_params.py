@@ -1,0 +1,85 @@
+"""Per-request sampling parameters, validated at construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# Hard limits that keep a single request from exhausting host memory.
+MAX_LOGPROBS = 20
+MAX_N = 128
+
+
+@dataclass
+class SamplingParams:
+    """What to generate and how to pick each token.
+
+    temperature == 0 means greedy. ``max_tokens=None`` means "until max_model_len".
+    ``logprobs=k`` returns the top-k logprobs of each sampled token (plus the sampled one);
+    ``prompt_logprobs=k`` the same for every prompt token after the first.
+    Logprobs are those of the model's raw distribution (before temperature and penalties).
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: disabled
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    _stop_list: list[str] = field(init=False, repr=False, default_factory=list)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == -1:
+            self.top_k = 0
+        self._validate()
+
+    def _validate(self) -> None:
+        def check(cond: bool, msg: str) -> None:
+            if not cond:
+                raise ValueError(msg)
+
+        check(1 <= self.n <= MAX_N, f"n must be in [1, {MAX_N}], got {self.n}")
+        check(self.temperature >= 0.0, f"temperature must be >= 0, got {self.temperature}")
+        check(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}")
+        check(self.top_k >= 0, f"top_k must be -1, 0 (disabled) or positive, got {self.top_k}")
+        check(0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}")
+        check(self.repetition_penalty > 0.0,
+              f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        check(-2.0 <= self.presence_penalty <= 2.0,
+              f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
+        check(-2.0 <= self.frequency_penalty <= 2.0,
+              f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
+        check(self.max_tokens is None or self.max_tokens >= 1,
+              f"max_tokens must be at least 1, got {self.max_tokens}")
+        check(self.min_tokens >= 0, f"min_tokens must be >= 0, got {self.min_tokens}")
+        check(self.max_tokens is None or self.min_tokens <= self.max_tokens,
+              f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            check(value is None or 0 <= value <= MAX_LOGPROBS,
+                  f"{name} must be in [0, {MAX_LOGPROBS}], got {value}")
+        check(all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def uses_penalties(self) -> bool:
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+                or self.frequency_penalty != 0.0)

@@ -1,0 +1,55 @@
+"""Tiny random-weight HF models and HF-transformers reference generations (the oracle)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+TINY_COMMON = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                   initializer_range=0.2, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+
+TINY_CONFIGS = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                      "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+        tie_word_embeddings=False)),
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=24, head_dim=16)),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=True)),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=32, tie_word_embeddings=False)),
+}
+
+
+def make_tiny_model(arch: str, path: Path, seed: int = 0):
+    """Save a random tiny model of ``arch`` into ``path``; return the HF model (float32)."""
+    import transformers
+
+    config_cls, model_cls, extra = TINY_CONFIGS[arch]
+    config = getattr(transformers, config_cls)(**TINY_COMMON, **extra)
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_cls)(config).float().eval()
+    model.save_pretrained(path)
+    return model
+
+
+@torch.no_grad()
+def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, top_n: int = 5):
+    """Greedy continuation with per-step top-n logprobs, from HF ``generate``."""
+    out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens,
+                         do_sample=False, output_logits=True, return_dict_in_generate=True,
+                         eos_token_id=None, pad_token_id=0, min_new_tokens=max_new_tokens)
+    tokens = out.sequences[0, len(prompt_ids):].tolist()
+    logprobs = []
+    for step_logits in out.logits:
+        lp = step_logits[0].float().log_softmax(-1)
+        values, ids = lp.topk(top_n)
+        logprobs.append(dict(zip(ids.tolist(), values.tolist())))
+    return tokens, logprobs
+
+
+@torch.no_grad()
+def hf_prompt_logprobs(model, prompt_ids: list[int]) -> list[float]:
+    """logprob of prompt token i given tokens < i, for i >= 1."""
+    logits = model(torch.tensor([prompt_ids])).logits[0].float().log_softmax(-1)
+    return [float(logits[i - 1, prompt_ids[i]]) for i in range(1, len(prompt_ids))]
