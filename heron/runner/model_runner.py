@@ -4,12 +4,24 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from heron.attention import AttentionMetadata, ForwardContext, forward_context, get_attention_backend
 from heron.engine.scheduler import ScheduledRequest, SchedulerOutput
 from heron.outputs import PositionLogprobs
 from heron.runner.sampler import Sampler, top_logprobs
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero tensor; on CPU backed by calloc'd pages, so an unused pool costs no time or RSS."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    elems = 1
+    for dim in shape:
+        elems *= dim
+    raw = np.zeros(elems * (torch.finfo(dtype).bits // 8), dtype=np.uint8)
+    return torch.from_numpy(raw).view(dtype).view(shape)
 
 
 @dataclass
@@ -41,11 +53,8 @@ class ModelRunner:
         self.sampler = Sampler(seed)
         # One tensor per layer: (2, num_blocks, block_size, num_kv_heads, head_dim). Zeroed so
         # padded, masked-out keys/values are finite (0 * NaN would poison the softmax sum).
-        self.kv_caches = [
-            torch.zeros(2, num_blocks, block_size, arch.num_kv_heads, arch.head_dim,
-                        dtype=dtype, device=device)
-            for _ in range(arch.num_layers)
-        ]
+        shape = (2, num_blocks, block_size, arch.num_kv_heads, arch.head_dim)
+        self.kv_caches = [_zeros(shape, dtype, device) for _ in range(arch.num_layers)]
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> StepResult:

