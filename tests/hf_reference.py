@@ -36,9 +36,11 @@ def make_tiny_model(arch: str, path: Path, seed: int = 0):
 @torch.no_grad()
 def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, top_n: int = 5):
     """Greedy continuation with per-step top-n logprobs, from HF ``generate``."""
-    out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens,
+    ids = torch.tensor([prompt_ids])
+    # explicit mask: otherwise HF masks prompt tokens equal to pad_token_id
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
                          do_sample=False, output_logits=True, return_dict_in_generate=True,
-                         eos_token_id=None, pad_token_id=0, min_new_tokens=max_new_tokens)
+                         eos_token_id=None, pad_token_id=0)  # eos=None: run past EOS
     tokens = out.sequences[0, len(prompt_ids):].tolist()
     logprobs = []
     for step_logits in out.logits:

@@ -25,28 +25,6 @@ Q = gguf.GGMLQuantizationType
 
 
 @pytest.fixture(scope="module")
-def gguf_path():
-    return find_default_gguf()
-
-
-@pytest.fixture(scope="module")
-def hf_model(gguf_path):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(
-        str(gguf_path.parent), gguf_file=gguf_path.name, dtype="float32"
-    )
-    return model.eval()
-
-
-@pytest.fixture(scope="module")
-def hf_tokenizer(gguf_path):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
-
-
-@pytest.fixture(scope="module")
 def tok_cache(tmp_path_factory):
     return tmp_path_factory.mktemp("heron-cache")
 

@@ -169,6 +169,10 @@ class SchedulerMachine(RuleBasedStateMachine):
                 assert req.num_computed_tokens == 0 and req.block_ids == []
             # no admissions in a step that preempted
             assert all(any(r is b for b in before_running) for r in scheduled)
+        # admissions are FCFS: the newly running requests are a prefix of the waiting queue
+        admitted = [r for r in scheduled if not any(r is b for b in before_running)]
+        assert admitted == before_waiting[:len(admitted)]
+        assert list(sched.waiting)[k:] == before_waiting[len(admitted):]
         self.preemptions += k
         assert sched.stats.num_preemptions == self.preemptions
 
@@ -262,7 +266,7 @@ class SchedulerMachine(RuleBasedStateMachine):
 
 
 SchedulerMachine.TestCase.settings = settings(
-    max_examples=150, stateful_step_count=40, deadline=None,
+    max_examples=400, stateful_step_count=50, deadline=None,
     suppress_health_check=[HealthCheck.too_slow])
 TestSchedulerInvariants = SchedulerMachine.TestCase
 
@@ -318,6 +322,22 @@ def test_budget_limits_waiting_admission_and_max_num_seqs():
     out = sched.schedule()
     assert [s.request for s in out.scheduled] == reqs[:2]
     assert list(sched.waiting) == [reqs[2]]
+
+
+def test_waiting_head_short_of_blocks_is_not_overtaken():
+    sched = make_scheduler(num_blocks=4, block_size=4, max_num_batched_tokens=64,
+                           max_num_seqs=4)
+    a = make_request("a", 8, 4)
+    sched.add(a)
+    engine_step(sched)
+    b = make_request("b", 12, 1)  # needs 3 blocks, only 1 left after a's decode
+    c = make_request("c", 2, 1)  # would fit, but must not overtake b
+    sched.add(b)
+    sched.add(c)
+    out = sched.schedule()
+    assert [s.request for s in out.scheduled] == [a]
+    assert list(sched.waiting) == [b, c]
+    assert b.block_ids == [] and c.block_ids == []
 
 
 def test_preemption_picks_youngest_and_requeues_it_first():
