@@ -16,7 +16,8 @@ from heron.engine.request import Request, RequestStatus
 from heron.engine.scheduler import Scheduler, SchedulerOutput
 from heron.loader.model_source import resolve_model
 from heron.loader.weights import build_model, load_weights
-from heron.models import ModelArchConfig
+from heron.models import ModelArchConfig, get_model_class
+from heron.models.config import architecture_of
 from heron.outputs import RequestOutput
 from heron.runner.memory import num_kv_blocks
 from heron.runner.model_runner import ModelRunner, StepResult
@@ -47,6 +48,7 @@ class LLMEngine:
         self.config = config
         started = time.monotonic()
         source = resolve_model(config.model)
+        get_model_class(architecture_of(source.hf_config))  # unsupported: fail before parsing
         self.arch = ModelArchConfig.from_hf(source.hf_config)
         self.model_name = source.name
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -5,6 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
+def architecture_of(cfg: dict) -> str:
+    archs = cfg.get("architectures") or []
+    if not archs:
+        raise ValueError("config.json has no 'architectures' entry")
+    return archs[0]
+
+
 @dataclass(frozen=True)
 class ModelArchConfig:
     architecture: str
@@ -35,9 +42,13 @@ class ModelArchConfig:
 
     @classmethod
     def from_hf(cls, cfg: dict) -> "ModelArchConfig":
-        archs = cfg.get("architectures") or []
-        if not archs:
-            raise ValueError("config.json has no 'architectures' entry")
+        try:
+            return cls._from_hf(cfg)
+        except KeyError as e:
+            raise ValueError(f"config.json lacks the required key {e}") from None
+
+    @classmethod
+    def _from_hf(cls, cfg: dict) -> "ModelArchConfig":
         rope = cfg.get("rope_parameters") or {}
         scaling = cfg.get("rope_scaling") or None
         if rope and rope.get("rope_type", "default") != "default":
@@ -50,7 +61,7 @@ class ModelArchConfig:
         if cfg.get("use_sliding_window") is False:  # Qwen2/3 carry a window they do not use
             window = None
         return cls(
-            architecture=archs[0],
+            architecture=architecture_of(cfg),
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
             intermediate_size=cfg["intermediate_size"],
