@@ -124,6 +124,7 @@ def machine_info() -> dict:
     except (OSError, StopIteration):
         pass
     return {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+            "loadavg_1m_at_start": round(os.getloadavg()[0], 2),
             "torch": torch.__version__, "python": platform.python_version(),
             "date": datetime.datetime.now().isoformat(timespec="seconds")}
 
@@ -159,7 +160,12 @@ def main() -> None:
     p.add_argument("--max-num-seqs", type=int, default=128)
     p.add_argument("--skip-hf", action="store_true", help="only benchmark heron")
     p.add_argument("--json-out", help="also write the JSON record to this path")
+    p.add_argument("--threads", type=int, help="torch intra-op threads for both engines "
+                   "(default: torch's choice); use 1 on a shared machine, see README")
     args = p.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    machine = machine_info()  # before the run, so the load average shows other work
 
     results, outputs = {}, {}
     results["heron"], outputs["heron"] = run_one(HeronRunner, args)
@@ -173,7 +179,7 @@ def main() -> None:
         extra["greedy_identical_frac"] = sum(a == b for a, b in pairs) / len(pairs)
         extra["first_token_match_frac"] = sum(a[0] == b[0] for a, b in pairs) / len(pairs)
     print_table(results, ratios)
-    record = {"machine": machine_info(), "config": vars(args), "results": results,
+    record = {"machine": machine, "config": vars(args), "results": results,
               "ratios": ratios, "goals": {"output_tok_s": 3.0, "b1_decode_tok_s": 1.5}, **extra}
     line = json.dumps(record)
     print(line)

@@ -7,7 +7,7 @@ Handles GQA, any mix of prefill chunks and decodes, and optional sliding windows
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -22,6 +22,15 @@ class _DecodePlan:
     key_pos: torch.Tensor  # (num_decodes, max_blocks * block_size) key positions
     seq_lens: torch.Tensor  # (num_decodes,)
     max_len: int
+    masks: dict = field(default_factory=dict)  # sliding window -> (B, 1, 1, L) bool mask
+
+    def mask(self, sliding_window: int | None) -> torch.Tensor:
+        """Built once per step and window size, shared by every layer."""
+        if sliding_window not in self.masks:
+            query_pos = (self.seq_lens - 1).view(-1, 1)
+            self.masks[sliding_window] = _window_mask(self.key_pos, query_pos,
+                                                      sliding_window).unsqueeze(1)
+        return self.masks[sliding_window]
 
 
 def _decode_plan(md: AttentionMetadata) -> _DecodePlan | None:
@@ -81,13 +90,10 @@ class TorchAttentionBackend:
     @staticmethod
     def _decode(q, key_cache, value_cache, plan: _DecodePlan, scale, sliding_window):
         # q: (B, H, D) -> (B, H, 1, D); keys gathered from the block tables: (B, KVH, L, D)
-        b = q.shape[0]
         keys = key_cache[plan.block_tables].flatten(1, 2).transpose(1, 2)
         values = value_cache[plan.block_tables].flatten(1, 2).transpose(1, 2)
-        query_pos = (plan.seq_lens - 1).view(b, 1)
-        mask = _window_mask(plan.key_pos, query_pos, sliding_window)  # (B, 1, L)
         out = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values,
-                                             attn_mask=mask.unsqueeze(1), scale=scale,
+                                             attn_mask=plan.mask(sliding_window), scale=scale,
                                              enable_gqa=True)
         return out.squeeze(2)
 

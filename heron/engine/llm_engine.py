@@ -15,7 +15,7 @@ from heron.engine.output_processor import RequestGroup
 from heron.engine.request import Request, RequestStatus
 from heron.engine.scheduler import Scheduler, SchedulerOutput
 from heron.loader.model_source import resolve_model
-from heron.loader.weights import build_model, load_weights
+from heron.loader.weights import build_model, load_weights, optimize_layout
 from heron.models import ModelArchConfig, get_model_class
 from heron.models.config import architecture_of
 from heron.outputs import RequestOutput
@@ -55,6 +55,7 @@ class LLMEngine:
         dtype = config.torch_dtype
         model = build_model(self.arch, dtype, self.device)
         load_weights(model, source.weights(), dtype)
+        optimize_layout(model, self.device)
         self.tokenizer = _load_tokenizer(source.tokenizer_dir)
         self.eos_token_ids = _eos_ids(source, self.arch)
         self.max_model_len = config.max_model_len or self.arch.max_position_embeddings

@@ -8,7 +8,8 @@ import logging
 import torch
 from torch import nn
 
-from heron.layers.linear import default_weight_loader
+from heron.layers.embedding import LMHead
+from heron.layers.linear import Linear, default_weight_loader
 from heron.models import ModelArchConfig, get_model_class
 
 logger = logging.getLogger(__name__)
@@ -69,6 +70,19 @@ def load_weights(model: nn.Module, weights, dtype: torch.dtype) -> None:
     if missing:
         raise ValueError(f"checkpoint lacks weights for: {', '.join(missing[:8])}"
                          + (" ..." if len(missing) > 8 else ""))
+
+
+def optimize_layout(model: nn.Module, device: torch.device) -> None:
+    """On CPU, store projection weights column-major (a transposed view of a contiguous
+    (in, out) buffer): MKL's batch-1 GEMV then streams weights about 2x faster, which is what
+    bounds single-sequence decode, at a few percent cost for large batches."""
+    if device.type != "cpu":
+        return
+    for module in model.modules():
+        if isinstance(module, (Linear, LMHead)):
+            module.weight.data = module.weight.data.t().contiguous().t()
+    if model.config.tie_word_embeddings:
+        model.model.embed_tokens.weight = model.lm_head.weight
 
 
 def _owner(model: nn.Module, param_name: str) -> nn.Module:
