@@ -40,9 +40,9 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
-def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-    """q: (T, H, D), k: (T, KVH, D), cos/sin: (T, 1, D) -> rotated q, k."""
-    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: (T, heads, D), cos/sin: (T, 1, D) -> x rotated (HF "rotate_half" layout)."""
+    return x * cos + _rotate_half(x) * sin
 
 
 class RotaryEmbedding(nn.Module):

@@ -30,13 +30,14 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if qk_norm else None
 
     def forward(self, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]):
-        q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
-        q = q.view(-1, self.num_heads, self.head_dim)  # (T, H, D)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)  # (T, KVH, D)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(hidden).view(-1, self.num_heads + 2 * self.num_kv_heads,
+                                         self.head_dim)  # (T, H + 2 * KVH, D)
+        qk, v = qkv.split([self.num_heads + self.num_kv_heads, self.num_kv_heads], dim=1)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, k, *rope)
+            qk = torch.cat([self.q_norm(qk[:, :self.num_heads]),
+                            self.k_norm(qk[:, self.num_heads:])], dim=1)
+        qk = apply_rotary(qk, *rope)  # q and k heads rotated together
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         ctx = get_forward_context()
         out = ctx.backend.forward(q, k, v, ctx.kv_caches[self.layer_idx], ctx.attn_metadata,
                                   self.scale, self.sliding_window)
