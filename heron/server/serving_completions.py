@@ -1,0 +1,130 @@
+"""POST /v1/completions: prompts in any OpenAI shape, n, echo, logprobs, streaming."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from heron.outputs import RequestOutput
+from heron.server.logprobs_format import completion_logprobs
+from heron.server.protocol import (CompletionChoice, CompletionRequest, CompletionResponse,
+                                   CompletionStreamResponse, Usage, random_id)
+from heron.server.request_runner import check_length, run_to_completion, stream_outputs
+from heron.server.sse import sse_event, sse_done
+
+
+async def create_completion(req: CompletionRequest, http_request: Request, state):
+    tokenizer = state.client.tokenizer
+    params = req.to_sampling_params(default_max_tokens=None)
+    prompts = [tokenizer(p).input_ids if isinstance(p, str) else list(p) for p in req.prompts()]
+    for ids in prompts:
+        check_length(ids, params, state.client.max_model_len)
+    admission = state.admit(sum(len(p) for p in prompts) * params.n)
+    base_id = random_id("cmpl")
+    streams = [stream_outputs(state, f"{base_id}-{i}", ids, params)
+               for i, ids in enumerate(prompts)]
+    if req.stream:
+        return StreamingResponse(_stream(req, state, base_id, prompts, streams, admission),
+                                 media_type="text/event-stream")
+    try:
+        finals = await asyncio.gather(*(run_to_completion(http_request, s) for s in streams))
+    finally:
+        admission.release()
+    if any(f is None for f in finals):
+        return JSONResponse({}, status_code=499)  # client went away; nobody reads this
+    choices = [c for i, f in enumerate(finals) for c in _choices(req, tokenizer, i, f)]
+    usage = Usage.of(sum(len(p) for p in prompts),
+                     sum(len(c.token_ids) for f in finals for c in f.outputs))
+    return CompletionResponse(id=base_id, model=state.model_name, choices=choices, usage=usage)
+
+
+def _choices(req: CompletionRequest, tokenizer, prompt_index: int, out: RequestOutput):
+    n = len(out.outputs)
+    prompt_text = tokenizer.decode(out.prompt_token_ids) if req.echo else ""
+    for comp in out.outputs:
+        logprobs = None
+        if req.logprobs is not None:
+            ids, positions = comp.token_ids, comp.logprobs
+            if req.echo:
+                ids = out.prompt_token_ids + ids
+                positions = list(out.prompt_logprobs or []) + positions
+            logprobs = completion_logprobs(tokenizer, ids, positions, req.logprobs)
+        yield CompletionChoice(index=prompt_index * n + comp.index, text=prompt_text + comp.text,
+                               logprobs=logprobs, finish_reason=comp.finish_reason,
+                               stop_reason=comp.stop_reason)
+
+
+async def _merge(streams: list[AsyncIterator[RequestOutput]]):
+    """Interleave several output streams as (prompt index, output)."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i, s):
+        try:
+            async for out in s:
+                await queue.put((i, out))
+        except BaseException as e:  # surfaced to the consumer below
+            await queue.put((i, e))
+        finally:
+            await queue.put((i, None))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(streams)
+        while remaining:
+            i, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        for s in streams:
+            await s.aclose()
+
+
+async def _stream(req, state, base_id, prompts, streams, admission):
+    tokenizer = state.client.tokenizer
+    sent_text: dict[tuple[int, int], int] = {}
+    sent_tokens: dict[tuple[int, int], int] = {}
+    completion_tokens = 0
+    try:
+        async for i, out in _merge(streams):
+            n = len(out.outputs)
+            for comp in out.outputs:
+                key = (i, comp.index)
+                if key not in sent_text and req.echo:
+                    echo = tokenizer.decode(out.prompt_token_ids)
+                    yield sse_event(_chunk(base_id, state, i * n + comp.index, echo, None))
+                text, start = comp.text, sent_text.get(key, 0)
+                tok_start = sent_tokens.get(key, 0)
+                if len(text) == start and comp.finish_reason is None:
+                    continue
+                logprobs = None
+                if req.logprobs is not None:
+                    logprobs = completion_logprobs(
+                        tokenizer, comp.token_ids[tok_start:], comp.logprobs[tok_start:],
+                        req.logprobs, start)
+                sent_text[key], sent_tokens[key] = len(text), len(comp.token_ids)
+                yield sse_event(_chunk(base_id, state, i * n + comp.index, text[start:],
+                                       comp.finish_reason, logprobs, comp.stop_reason))
+                if comp.finish_reason is not None:
+                    completion_tokens += len(comp.token_ids)
+        if req.include_usage:
+            usage = Usage.of(sum(len(p) for p in prompts) , completion_tokens)
+            yield sse_event(CompletionStreamResponse(id=base_id, model=state.model_name,
+                                                     choices=[], usage=usage))
+        yield sse_done()
+    finally:
+        admission.release()
+
+
+def _chunk(base_id, state, index, text, finish_reason, logprobs=None, stop_reason=None):
+    return CompletionStreamResponse(id=base_id, model=state.model_name, choices=[
+        CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=finish_reason,
+                         stop_reason=stop_reason)])

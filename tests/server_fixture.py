@@ -1,0 +1,61 @@
+"""Start `heron serve` as a subprocess on 127.0.0.1 and stop it (bounded waits everywhere)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class HeronServer:
+    def __init__(self, *args: str, startup_timeout: float = 180.0) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "heron.entrypoints.cli", "serve", "--port", str(self.port),
+               "--max-model-len", "1024", *args]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     text=True)
+        deadline = time.monotonic() + startup_timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited: {self.proc.stdout.read()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise RuntimeError("server did not become healthy in time")
+
+    def stats(self) -> dict:
+        return httpx.get(f"{self.url}/stats", timeout=5).json()
+
+    def wait_for(self, predicate, timeout: float = 30.0) -> dict:
+        deadline = time.monotonic() + timeout
+        stats = self.stats()
+        while not predicate(stats) and time.monotonic() < deadline:
+            time.sleep(0.2)
+            stats = self.stats()
+        return stats
+
+    def stop(self, timeout: float = 30.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.kill(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+        return self.proc.returncode
