@@ -131,7 +131,8 @@ def build_app(client, settings: ServerSettings) -> FastAPI:
 
     @app.get("/stats")
     async def stats():
-        return client.stats()
+        """Engine stats as JSON (KV blocks, queues, preemptions) plus the core's pid."""
+        return {**client.stats(), "engine_pid": client.pid, "engine_alive": client.is_alive()}
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):

@@ -4,6 +4,7 @@ with admission release, per-request metrics and abort on client disconnect."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from typing import AsyncIterator
 
@@ -36,10 +37,12 @@ async def stream_outputs(state, request_id: str, prompt_ids: list[int],
     """Yield cumulative outputs; record metrics once the request ends."""
     token_times: list[float] = []
     last = None
-    async for out in state.client.generate(request_id, prompt_ids, params):
-        token_times.append(time.monotonic())
-        last = out
-        yield out
+    # aclosing: closing this generator must close the engine stream now (-> abort), not at GC
+    async with contextlib.aclosing(state.client.generate(request_id, prompt_ids, params)) as gen:
+        async for out in gen:
+            token_times.append(time.monotonic())
+            last = out
+            yield out
     if last is not None:
         _observe(state.metrics, last, token_times)
 

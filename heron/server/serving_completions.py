@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from typing import AsyncIterator
 
 from fastapi import Request
@@ -63,12 +64,13 @@ async def _merge(streams: list[AsyncIterator[RequestOutput]]):
 
     async def pump(i, s):
         try:
-            async for out in s:
-                await queue.put((i, out))
-        except BaseException as e:  # surfaced to the consumer below
+            async with contextlib.aclosing(s):
+                async for out in s:
+                    await queue.put((i, out))
+        except Exception as e:  # surfaced to the consumer below
             await queue.put((i, e))
         finally:
-            await queue.put((i, None))
+            queue.put_nowait((i, None))
 
     tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
     try:
@@ -84,8 +86,7 @@ async def _merge(streams: list[AsyncIterator[RequestOutput]]):
     finally:
         for t in tasks:
             t.cancel()
-        for s in streams:
-            await s.aclose()
+        await asyncio.gather(*tasks, return_exceptions=True)  # each pump closes its stream
 
 
 async def _stream(req, state, base_id, prompts, streams, admission):
@@ -93,35 +94,45 @@ async def _stream(req, state, base_id, prompts, streams, admission):
     sent_text: dict[tuple[int, int], int] = {}
     sent_tokens: dict[tuple[int, int], int] = {}
     completion_tokens = 0
+    finished: set[tuple[int, int]] = set()
     try:
-        async for i, out in _merge(streams):
-            n = len(out.outputs)
-            for comp in out.outputs:
-                key = (i, comp.index)
-                if key not in sent_text and req.echo:
-                    echo = tokenizer.decode(out.prompt_token_ids)
-                    yield sse_event(_chunk(base_id, state, i * n + comp.index, echo, None))
-                text, start = comp.text, sent_text.get(key, 0)
-                tok_start = sent_tokens.get(key, 0)
-                if len(text) == start and comp.finish_reason is None:
-                    continue
-                logprobs = None
-                if req.logprobs is not None:
-                    logprobs = completion_logprobs(
-                        tokenizer, comp.token_ids[tok_start:], comp.logprobs[tok_start:],
-                        req.logprobs, start)
-                sent_text[key], sent_tokens[key] = len(text), len(comp.token_ids)
-                yield sse_event(_chunk(base_id, state, i * n + comp.index, text[start:],
-                                       comp.finish_reason, logprobs, comp.stop_reason))
-                if comp.finish_reason is not None:
-                    completion_tokens += len(comp.token_ids)
+        async with contextlib.aclosing(_merge(streams)) as merged:
+            async for i, out in merged:
+                for chunk in _chunks(req, state, base_id, i, out, sent_text, sent_tokens):
+                    yield chunk
+                completion_tokens += sum(len(c.token_ids) for c in out.outputs
+                                         if c.finish_reason is not None
+                                         and (i, c.index) not in finished)
+                finished.update((i, c.index) for c in out.outputs if c.finish_reason)
         if req.include_usage:
-            usage = Usage.of(sum(len(p) for p in prompts) , completion_tokens)
+            usage = Usage.of(sum(len(p) for p in prompts), completion_tokens)
             yield sse_event(CompletionStreamResponse(id=base_id, model=state.model_name,
                                                      choices=[], usage=usage))
         yield sse_done()
     finally:
         admission.release()
+
+
+def _chunks(req, state, base_id, i, out, sent_text, sent_tokens):
+    """SSE events for what ``out`` adds beyond what was sent (per prompt i, completion index)."""
+    tokenizer = state.client.tokenizer
+    n = len(out.outputs)
+    for comp in out.outputs:
+        key = (i, comp.index)
+        if key not in sent_text and req.echo:
+            yield sse_event(_chunk(base_id, state, i * n + comp.index,
+                                   tokenizer.decode(out.prompt_token_ids), None))
+        text, start = comp.text, sent_text.get(key, 0)
+        tok_start = sent_tokens.get(key, 0)
+        if len(text) == start and comp.finish_reason is None:
+            continue
+        logprobs = None
+        if req.logprobs is not None:
+            logprobs = completion_logprobs(tokenizer, comp.token_ids[tok_start:],
+                                           comp.logprobs[tok_start:], req.logprobs, start)
+        sent_text[key], sent_tokens[key] = len(text), len(comp.token_ids)
+        yield sse_event(_chunk(base_id, state, i * n + comp.index, text[start:],
+                               comp.finish_reason, logprobs, comp.stop_reason))
 
 
 def _chunk(base_id, state, index, text, finish_reason, logprobs=None, stop_reason=None):

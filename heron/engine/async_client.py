@@ -1,0 +1,298 @@
+"""``AsyncEngineClient``: the API server's handle on an engine-core process.
+
+The core runs in a spawned process (see ``core_process``). This side binds two ZMQ sockets in
+a private temp dir: a PUSH for ``AddRequest`` / ``Abort`` / ``Shutdown`` (sent without blocking)
+and a PULL read by one background task, which routes ``OutputDelta``s to per-request queues
+and keeps the latest stats. ``generate`` accumulates deltas into cumulative ``RequestOutput``s.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from heron.config import EngineConfig
+from heron.engine import messages as m
+from heron.engine.core_process import run_engine_core
+from heron.outputs import CompletionOutput, RequestOutput
+from heron.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+POLL_MS = 200  # the reader checks that the core is alive at least this often
+
+
+class EngineDeadError(RuntimeError):
+    """The engine-core process is gone (crashed, killed or shut down)."""
+
+
+@dataclass
+class _Stream:
+    """One in-flight ``generate``: its queue and the outputs accumulated so far."""
+
+    prompt_token_ids: list[int]
+    completions: list[CompletionOutput]
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    prompt_logprobs: list | None = None
+    metrics: dict = field(default_factory=dict)
+
+    def apply(self, delta: m.OutputDelta) -> None:
+        comp = self.completions[delta.index]
+        comp.token_ids.extend(delta.new_token_ids)
+        comp.text += delta.new_text
+        if comp.logprobs is not None and delta.new_logprobs:
+            comp.logprobs.extend(m.decode_logprobs(p) for p in delta.new_logprobs)
+        if delta.finish_reason is not None:
+            comp.finish_reason, comp.stop_reason = delta.finish_reason, delta.stop_reason
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = [m.decode_logprobs(p) for p in delta.prompt_logprobs]
+        for key in ("arrival_time", "first_token_time", "finish_time"):
+            if getattr(delta, key) is not None:
+                self.metrics[key] = getattr(delta, key)
+        self.metrics["num_preemptions"] = delta.num_preemptions
+
+    def snapshot(self, request_id: str) -> RequestOutput:
+        """A fresh cumulative output (later deltas never mutate what was yielded)."""
+        outs = [CompletionOutput(c.index, c.text, list(c.token_ids),
+                                 list(c.logprobs) if c.logprobs is not None else None,
+                                 c.finish_reason, c.stop_reason) for c in self.completions]
+        return RequestOutput(request_id, None, self.prompt_token_ids, outs,
+                             finished=all(c.finished for c in outs),
+                             prompt_logprobs=self.prompt_logprobs, metrics=dict(self.metrics))
+
+
+class AsyncEngineClient:
+    """Talks to one engine-core process; use from a single asyncio event loop."""
+
+    def __init__(self, proc, ctx: zmq.asyncio.Context, in_sock, out_sock, ready: m.ReadyMsg,
+                 tmpdir: str, tokenizer) -> None:
+        self._proc, self._ctx, self._in, self._out = proc, ctx, in_sock, out_sock
+        self._tmpdir = tmpdir
+        self.ready = ready
+        self.tokenizer = tokenizer
+        self.model_name = ready.model_name
+        self.max_model_len = ready.max_model_len
+        self.vocab_size = ready.vocab_size
+        self.eos_token_ids = list(ready.eos_token_ids)
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(m.OutputMsg)
+        self._streams: dict[str, _Stream] = {}
+        self._stats = m.StatsMsg(num_blocks=ready.num_kv_blocks,
+                                 num_free_blocks=ready.num_kv_blocks)
+        self._dead: str | None = None  # why the engine is unusable, once it is
+        self._closed = False
+        self._reader = asyncio.create_task(self._read_loop(), name="heron-engine-reader")
+
+    # ---- lifecycle -----------------------------------------------------------------------
+    @classmethod
+    async def start(cls, config: EngineConfig, startup_timeout: float = 300) -> AsyncEngineClient:
+        """Spawn the core, wait for it to be ready; RuntimeError if it fails to start."""
+        tmpdir = tempfile.mkdtemp(prefix="heron-ipc-")
+        ctx = zmq.asyncio.Context()
+        in_sock = zmq.Socket(ctx, zmq.PUSH)  # synchronous: sends never wait (NOBLOCK)
+        in_sock.setsockopt(zmq.SNDHWM, 0)
+        out_sock = ctx.socket(zmq.PULL)
+        out_sock.setsockopt(zmq.RCVHWM, 0)
+        for sock in (in_sock, out_sock):
+            sock.setsockopt(zmq.LINGER, 0)
+        in_sock.bind(f"ipc://{tmpdir}/input")
+        out_sock.bind(f"ipc://{tmpdir}/output")
+        proc = multiprocessing.get_context("spawn").Process(
+            target=run_engine_core, args=(config, f"ipc://{tmpdir}/input",
+                                          f"ipc://{tmpdir}/output"),
+            name="heron-engine-core", daemon=True)
+        proc.start()
+        try:
+            ready = await _wait_ready(proc, out_sock, startup_timeout)
+            tokenizer = await asyncio.to_thread(_load_tokenizer, ready.tokenizer_dir)
+        except BaseException:
+            _stop_process(proc, 0)
+            _close(ctx, in_sock, out_sock, tmpdir)
+            raise
+        return cls(proc, ctx, in_sock, out_sock, ready, tmpdir, tokenizer)
+
+    async def shutdown(self, timeout: float = 10.0) -> None:
+        """Ask the core to exit, wait up to ``timeout`` s, then terminate it; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._mark_dead("the engine was shut down", error=False)
+        if self._proc.is_alive():
+            try:
+                self._in.send(self._encoder.encode(m.Shutdown()), zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+            await asyncio.to_thread(_stop_process, self._proc, timeout)
+        self._reader.cancel()
+        await asyncio.gather(self._reader, return_exceptions=True)
+        _close(self._ctx, self._in, self._out, self._tmpdir)
+
+    async def __aenter__(self) -> AsyncEngineClient:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.shutdown()
+
+    def is_alive(self) -> bool:
+        return self._dead is None and self._proc.is_alive()
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid
+
+    def stats(self) -> dict:
+        """The latest engine stats (refreshed every step, and every ~0.5 s when idle)."""
+        return msgspec.structs.asdict(self._stats)
+
+    # ---- requests ------------------------------------------------------------------------
+    async def generate(self, request_id: str, prompt_token_ids: list[int],
+                       params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        """Yield cumulative outputs as they progress; the last has ``finished=True``.
+
+        Raises ValueError if the engine rejects the request, EngineDeadError if the core dies.
+        Closing the generator (or cancelling its consumer) before the end aborts the request.
+        """
+        if self._dead is not None:
+            raise EngineDeadError(self._dead)
+        if request_id in self._streams:
+            raise ValueError(f"duplicate request id {request_id!r}")
+        stream = _Stream(list(prompt_token_ids), [
+            CompletionOutput(i, "", [], [] if params.logprobs is not None else None)
+            for i in range(params.n)])
+        self._streams[request_id] = stream
+        finished = False
+        try:
+            self._send(m.AddRequest(request_id, stream.prompt_token_ids,
+                                    m.params_to_dict(params), time.monotonic()))
+            while not finished:
+                self._apply(stream, await stream.queue.get())
+                while not stream.queue.empty():  # coalesce what a slow consumer missed
+                    self._apply(stream, stream.queue.get_nowait())
+                out = stream.snapshot(request_id)
+                finished = out.finished
+                yield out
+        except ValueError:
+            finished = True  # rejected: the engine holds nothing for it
+            raise
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished and self._dead is None:
+                self._abort_nowait([request_id])
+
+    def _apply(self, stream: _Stream, item) -> None:
+        if isinstance(item, BaseException):
+            raise item
+        for delta in item:
+            stream.apply(delta)
+
+    async def abort(self, request_id: str) -> None:
+        """Abort a request; its ``generate`` then ends with finish_reason "abort"."""
+        self._abort_nowait([request_id])
+
+    def _abort_nowait(self, request_ids: list[str]) -> None:
+        try:
+            self._send(m.Abort(request_ids))
+        except EngineDeadError:
+            pass
+
+    def _send(self, msg) -> None:
+        if self._dead is not None:
+            raise EngineDeadError(self._dead)
+        try:
+            self._in.send(self._encoder.encode(msg), zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            self._mark_dead(f"cannot reach the engine core: {exc}")
+            raise EngineDeadError(self._dead) from exc
+
+    # ---- the reader task -----------------------------------------------------------------
+    async def _read_loop(self) -> None:
+        """Route every output message; notice within ~POLL_MS when the core is gone."""
+        try:
+            while self._dead is None:
+                if not await self._out.poll(POLL_MS):
+                    if not self._proc.is_alive():
+                        self._mark_dead(f"the engine core died (exit code "
+                                        f"{self._proc.exitcode})")
+                    continue
+                self._route(self._decoder.decode(await self._out.recv()))
+        except Exception as exc:  # a bug here must not leave requests hanging
+            logger.exception("engine output reader failed")
+            self._mark_dead(f"engine output reader failed: {exc!r}")
+
+    def _route(self, msg) -> None:
+        if isinstance(msg, m.OutputsMsg):
+            self._stats = msg.stats
+            by_request: dict[str, list[m.OutputDelta]] = {}
+            for delta in msg.outputs:
+                by_request.setdefault(delta.request_id, []).append(delta)
+            for request_id, deltas in by_request.items():
+                stream = self._streams.get(request_id)
+                if stream is not None:
+                    stream.queue.put_nowait(deltas)
+        elif isinstance(msg, m.ErrorMsg):
+            if msg.request_id is None:
+                self._mark_dead(f"the engine core failed: {msg.message}")
+            elif (stream := self._streams.get(msg.request_id)) is not None:
+                stream.queue.put_nowait(ValueError(msg.message))
+
+    def _mark_dead(self, reason: str, error: bool = True) -> None:
+        """Fail every pending and future request with EngineDeadError(reason)."""
+        if self._dead is not None:
+            return
+        self._dead = reason
+        if error:
+            logger.error("%s", reason)
+        for stream in self._streams.values():
+            stream.queue.put_nowait(EngineDeadError(reason))
+
+
+# ---- helpers ----------------------------------------------------------------------------------
+async def _wait_ready(proc, out_sock, timeout: float) -> m.ReadyMsg:
+    decoder = msgspec.msgpack.Decoder(m.OutputMsg)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if await out_sock.poll(POLL_MS):
+            msg = decoder.decode(await out_sock.recv())
+            if isinstance(msg, m.ReadyMsg):
+                return msg
+            if isinstance(msg, m.ErrorMsg):
+                raise RuntimeError(f"the engine core failed to start: {msg.message}")
+        elif not proc.is_alive():
+            raise RuntimeError(f"the engine core exited during startup "
+                               f"(exit code {proc.exitcode})")
+    raise RuntimeError(f"the engine core was not ready within {timeout:.0f} s")
+
+
+def _load_tokenizer(tokenizer_dir: str | None):
+    if tokenizer_dir is None:
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tokenizer_dir)
+
+
+def _stop_process(proc, timeout: float) -> None:
+    proc.join(timeout)
+    if proc.is_alive():
+        proc.terminate()
+        proc.join(5)
+    if proc.is_alive():
+        proc.kill()
+        proc.join(5)
+
+
+def _close(ctx, in_sock, out_sock, tmpdir: str) -> None:
+    in_sock.close(linger=0)
+    out_sock.close(linger=0)
+    ctx.term()
+    shutil.rmtree(tmpdir, ignore_errors=True)

@@ -1,0 +1,125 @@
+"""Typed messages between the API process and the engine-core process (msgpack via msgspec).
+
+Two one-way ZMQ channels, both bound by the API side:
+
+* input  (API -> core, PUSH/PULL): ``AddRequest``, ``Abort``, ``Shutdown``.
+* output (core -> API, PUSH/PULL): ``ReadyMsg`` once, then ``OutputsMsg`` per step (and at
+  least every ~0.5 s while idle, for fresh stats), ``ErrorMsg`` for rejected requests
+  (``request_id`` set) or a fatal core error (``request_id`` None; the core then exits).
+
+Nothing is pickled: every field is a plain msgpack type. ``OutputDelta`` carries only what is
+new since the previous delta of the same (request, completion index); the client accumulates.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Union
+
+import msgspec
+
+from heron.outputs import PositionLogprobs
+from heron.sampling_params import SamplingParams
+
+# One position's logprobs on the wire: [(token_id, logprob, rank), ...].
+WireLogprobs = list[tuple[int, float, int]]
+
+
+# ---- API -> core ------------------------------------------------------------------------------
+class AddRequest(msgspec.Struct, tag=True):
+    request_id: str
+    prompt_token_ids: list[int]
+    params: dict[str, Any]  # SamplingParams init fields (see params_to_dict)
+    arrival_time: float  # time.monotonic() in the API process (same clock in the core)
+
+
+class Abort(msgspec.Struct, tag=True):
+    request_ids: list[str]
+
+
+class Shutdown(msgspec.Struct, tag=True):
+    pass
+
+
+InputMsg = Union[AddRequest, Abort, Shutdown]
+
+
+# ---- core -> API ------------------------------------------------------------------------------
+class ReadyMsg(msgspec.Struct, tag=True):
+    model_name: str
+    architecture: str
+    max_model_len: int
+    vocab_size: int
+    num_kv_blocks: int
+    block_size: int
+    eos_token_ids: list[int]
+    tokenizer_dir: str | None  # load the same tokenizer here (None: token ids only)
+
+
+class StatsMsg(msgspec.Struct, array_like=True):
+    num_running: int = 0
+    num_waiting: int = 0
+    num_unfinished_requests: int = 0  # user-facing requests (n > 1 counts once)
+    kv_cache_usage: float = 0.0
+    num_free_blocks: int = 0
+    num_blocks: int = 0
+    num_preemptions: int = 0
+    num_prompt_tokens_total: int = 0  # prompt tokens of accepted requests
+    num_generation_tokens_total: int = 0  # tokens generated (all completions)
+    num_requests_finished_total: int = 0
+    num_requests_rejected_total: int = 0
+    timestamp: float = 0.0  # time.monotonic() when taken
+
+
+class OutputDelta(msgspec.Struct, array_like=True, omit_defaults=True):
+    """What is new for one completion of one request since its previous delta."""
+
+    request_id: str
+    index: int  # completion index, 0 <= index < n
+    new_token_ids: list[int]
+    new_text: str = ""  # text safe to stream (a possible stop-string prefix is held back)
+    new_logprobs: list[WireLogprobs] | None = None  # one entry per new token, if requested
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None
+    num_prompt_tokens: int = 0
+    prompt_logprobs: list[WireLogprobs | None] | None = None  # only on a request's first delta
+    arrival_time: float | None = None
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    num_preemptions: int = 0
+
+
+class OutputsMsg(msgspec.Struct, tag=True):
+    outputs: list[OutputDelta]
+    stats: StatsMsg
+
+
+class ErrorMsg(msgspec.Struct, tag=True):
+    request_id: str | None  # None: fatal error of the core (startup or step)
+    message: str
+
+
+OutputMsg = Union[ReadyMsg, OutputsMsg, ErrorMsg]
+
+
+# ---- conversions ------------------------------------------------------------------------------
+def params_to_dict(params: SamplingParams) -> dict[str, Any]:
+    """The init fields of ``params`` as plain msgpack-able values."""
+    return {f.name: getattr(params, f.name) for f in dataclasses.fields(params) if f.init}
+
+
+def params_from_dict(data: dict[str, Any]) -> SamplingParams:
+    """Rebuild (and re-validate: ValueError on bad values) ``SamplingParams``."""
+    return SamplingParams(**data)
+
+
+def encode_logprobs(position: PositionLogprobs | None) -> WireLogprobs | None:
+    if position is None:
+        return None
+    return [(token, lp, rank) for token, (lp, rank) in position.items()]
+
+
+def decode_logprobs(wire: WireLogprobs | None) -> PositionLogprobs | None:
+    if wire is None:
+        return None
+    return {token: (lp, rank) for token, lp, rank in wire}

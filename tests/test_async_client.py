@@ -1,0 +1,232 @@
+"""AsyncEngineClient (engine core in its own process) against the offline LLM.
+
+Same outputs (greedy, seeded n=2, stops, logprobs, text), 32 concurrent requests, aborts that
+free every KV block, rejected requests, a core killed mid-request, a core that fails to start.
+Every wait is bounded: ``_run`` puts a wall-clock limit on each coroutine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import pytest
+
+from hf_reference import make_tiny_model
+from heron import LLM, SamplingParams
+from heron.config import CacheConfig, EngineConfig, SchedulerConfig
+from heron.engine.async_client import AsyncEngineClient, EngineDeadError
+
+TINY = dict(max_model_len=256, max_num_batched_tokens=64, max_num_seqs=16, num_kv_blocks=64)
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+def _config(model, max_model_len, max_num_batched_tokens, max_num_seqs, num_kv_blocks=None):
+    return EngineConfig(model=model, max_model_len=max_model_len,
+                        cache=CacheConfig(num_blocks=num_kv_blocks),
+                        scheduler=SchedulerConfig(max_num_batched_tokens, max_num_seqs))
+
+
+def _run(loop, coro, timeout=60):
+    return loop.run_until_complete(asyncio.wait_for(coro, timeout))
+
+
+@pytest.fixture(scope="module")
+def loop():
+    loop = asyncio.new_event_loop()
+    yield loop
+    loop.close()
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-llama")
+    make_tiny_model("llama", path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def tiny_llm(tiny_dir):
+    return LLM(tiny_dir, **TINY)
+
+
+@pytest.fixture(scope="module")
+def tiny_client(loop, tiny_dir):
+    client = _run(loop, AsyncEngineClient.start(_config(tiny_dir, **TINY)))
+    yield client
+    _run(loop, client.shutdown())
+
+
+async def _collect(client, request_id, prompt, params):
+    """Every output yielded for one request, checking that each extends the previous one."""
+    outs = []
+    async for out in client.generate(request_id, prompt, params):
+        for prev, cur in zip(outs[-1].outputs if outs else [], out.outputs):
+            assert cur.token_ids[:len(prev.token_ids)] == prev.token_ids
+            assert cur.text.startswith(prev.text)
+        outs.append(out)
+    assert outs[-1].finished and not any(o.finished for o in outs[:-1])
+    return outs
+
+
+async def _collect_all(client, prompts, params, prefix="r"):
+    params = params if isinstance(params, list) else [params] * len(prompts)
+    return await asyncio.gather(*(_collect(client, f"{prefix}{i}", p, sp)
+                                  for i, (p, sp) in enumerate(zip(prompts, params))))
+
+
+def _assert_logprobs_close(a, b):
+    assert (a is None) == (b is None)
+    for pa, pb in zip(a or [], b or []):
+        assert (pa is None) == (pb is None)
+        assert set(pa or {}) == set(pb or {})
+        for tok in pa or {}:
+            assert pa[tok][0] == pytest.approx(pb[tok][0], abs=1e-4)
+
+
+def _assert_same(got, want):
+    assert got.prompt_token_ids == want.prompt_token_ids
+    assert len(got.outputs) == len(want.outputs)
+    for g, w in zip(got.outputs, want.outputs):
+        assert (g.index, g.token_ids, g.text) == (w.index, w.token_ids, w.text)
+        assert (g.finish_reason, g.stop_reason) == (w.finish_reason, w.stop_reason)
+        _assert_logprobs_close(g.logprobs, w.logprobs)
+    _assert_logprobs_close(got.prompt_logprobs, want.prompt_logprobs)
+
+
+async def _wait_for_stats(client, predicate, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while not predicate(client.stats()):
+        assert time.monotonic() < deadline, f"stats never settled: {client.stats()}"
+        await asyncio.sleep(0.05)
+
+
+def test_outputs_equal_offline(loop, tiny_client, tiny_llm):
+    prompts = [[5, 6, 7, 8], list(range(10, 110)), [300, 200, 100]]  # 100 tokens: chunked
+    ref = tiny_llm.generate(prompts[2], SamplingParams(temperature=0, max_tokens=20))[0]
+    params = [SamplingParams(temperature=0, max_tokens=12, logprobs=3, prompt_logprobs=2,
+                             ignore_eos=True),
+              SamplingParams(n=2, temperature=1.0, seed=7, max_tokens=10, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=20,
+                             stop_token_ids=[ref.outputs[0].token_ids[5]])]
+    want = tiny_llm.generate(prompts, params)
+    streams = _run(loop, _collect_all(tiny_client, prompts, params))
+    for outs, w in zip(streams, want):
+        _assert_same(outs[-1], w)
+    assert len(streams[0]) > 1  # streamed, not delivered all at once
+    assert streams[2][-1].outputs[0].stop_reason == ref.outputs[0].token_ids[5]
+    assert tiny_client.vocab_size == 512 and tiny_client.max_model_len == 256
+
+
+def test_32_concurrent_requests(loop, tiny_client, tiny_llm):
+    prompts = [[(7 * i + j) % 500 + 3 for j in range(3 + (i * 5) % 60)] for i in range(32)]
+    params = [SamplingParams(temperature=0, max_tokens=4 + i % 37, ignore_eos=True)
+              for i in range(32)]
+    want = tiny_llm.generate(prompts, params)
+    streams = _run(loop, _collect_all(tiny_client, prompts, params, prefix="c"))
+    for outs, w in zip(streams, want):
+        _assert_same(outs[-1], w)
+
+
+def test_abort_frees_all_blocks(loop, tiny_client):
+    long = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+
+    async def consume(gen):
+        async for _ in gen:
+            pass
+
+    async def body():
+        before = tiny_client.stats()["num_generation_tokens_total"]
+        gens = [tiny_client.generate(f"ab{i}", [9 + i] * 20, long) for i in range(4)]
+        for gen in gens:  # two outputs each, then close: the client disconnected
+            await anext(gen)
+            await anext(gen)
+        for gen in gens:
+            await gen.aclose()
+        task = asyncio.create_task(consume(tiny_client.generate("ab-cancel", [3] * 30, long)))
+        await asyncio.sleep(0.1)
+        task.cancel()
+        gen = tiny_client.generate("ab-explicit", [4] * 10, long)
+        await anext(gen)
+        await tiny_client.abort("ab-explicit")
+        rest = [out async for out in gen]
+        assert rest[-1].finished and rest[-1].outputs[0].finish_reason == "abort"
+        await _wait_for_stats(tiny_client, lambda s: s["num_free_blocks"] == s["num_blocks"]
+                              and s["num_running"] == 0 and s["num_waiting"] == 0
+                              and s["num_unfinished_requests"] == 0)
+        generated = tiny_client.stats()["num_generation_tokens_total"] - before
+        assert generated < 2 * 200  # the six aborted requests stopped early (1200 if not)
+
+    _run(loop, body())
+
+
+def test_bad_requests_are_rejected_and_serving_continues(loop, tiny_client, tiny_llm):
+    async def body():
+        for prompt, match in (([], "empty"), ([5] * 300, "max_model_len"),
+                              ([100_000], "vocabulary")):
+            with pytest.raises(ValueError, match=match):
+                await _collect(tiny_client, f"bad-{match}", prompt, GREEDY)
+        gen = tiny_client.generate("dup", [5, 6], GREEDY)
+        await anext(gen)
+        with pytest.raises(ValueError, match="duplicate"):
+            await anext(tiny_client.generate("dup", [5, 6], GREEDY))
+        await gen.aclose()
+        return await _collect(tiny_client, "good", [5, 6, 7], GREEDY)
+
+    outs = _run(loop, body())
+    _assert_same(outs[-1], tiny_llm.generate([[5, 6, 7]], GREEDY)[0])
+    assert tiny_client.stats()["num_requests_rejected_total"] >= 3
+    assert tiny_client.is_alive()
+
+
+def test_killed_core_raises_engine_dead_error(loop, tiny_dir):
+    client = _run(loop, AsyncEngineClient.start(_config(tiny_dir, **TINY)))
+    long = SamplingParams(temperature=0, max_tokens=240, ignore_eos=True)
+
+    async def body():
+        gen = client.generate("victim", [5] * 10, long)
+        await anext(gen)
+        os.kill(client.pid, signal.SIGKILL)
+        killed = time.monotonic()
+        with pytest.raises(EngineDeadError):
+            async for _ in gen:
+                pass
+        assert time.monotonic() - killed < 2.0
+        with pytest.raises(EngineDeadError):
+            await anext(client.generate("after", [5], GREEDY))
+
+    try:
+        _run(loop, body())
+        assert not client.is_alive()
+    finally:
+        _run(loop, client.shutdown())
+
+
+def test_startup_failure_raises_runtime_error(loop):
+    with pytest.raises(RuntimeError, match="not found"):
+        _run(loop, AsyncEngineClient.start(EngineConfig(model="/nonexistent/model")))
+
+
+def test_text_equals_offline_on_smollm2(loop, smollm2):
+    question = smollm2.apply_chat_template([{"role": "user",
+                                             "content": "What is the capital of France?"}])
+    poem = smollm2.apply_chat_template([{"role": "user",
+                                         "content": "Write a short poem about the sea."}])
+    prompts = [question, question, poem]
+    params = [SamplingParams(temperature=0, max_tokens=32),
+              SamplingParams(temperature=0, max_tokens=32, stop=["al of Fr", "zzz"]),
+              SamplingParams(n=2, temperature=0.8, seed=3, max_tokens=16, logprobs=2)]
+    want = smollm2.generate(prompts, params)
+    client = _run(loop, AsyncEngineClient.start(_config(None, 2048, 256, 32)))
+    try:
+        streams = _run(loop, _collect_all(client, prompts, params, prefix="s"))
+        assert client.model_name == smollm2.engine.model_name
+        assert client.tokenizer.decode(want[0].outputs[0].token_ids,
+                                       skip_special_tokens=True) == want[0].outputs[0].text
+    finally:
+        _run(loop, client.shutdown())
+    for outs, w in zip(streams, want):
+        _assert_same(outs[-1], w)
+    assert streams[1][-1].outputs[0].text == "The capit"  # no held-back text leaked

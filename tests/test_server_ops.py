@@ -1,0 +1,159 @@
+"""Operational behaviour of `heron serve`: overload (429), disconnects, bad input, metrics,
+auth, engine death. Server on 127.0.0.1; every loop bounded in count and time."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from server_fixture import HeronServer
+
+QUEUE_LIMIT = 8
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv = HeronServer("--max-queued-requests", str(QUEUE_LIMIT), "--api-key", "sekret")
+    yield srv
+    assert srv.stop() == 0
+
+
+AUTH = {"Authorization": "Bearer sekret"}
+
+
+def _completion(max_tokens=8, **kw):
+    return {"prompt": "Tell me about the ocean.", "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, **kw}
+
+
+def test_auth_required(server):
+    r = httpx.post(f"{server.url}/v1/completions", json=_completion())
+    assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    assert httpx.get(f"{server.url}/health").status_code == 200  # liveness needs no key
+
+
+def test_burst_gets_only_200_and_429(server):
+    async def one(client):
+        r = await client.post(f"{server.url}/v1/completions", json=_completion(12), headers=AUTH)
+        return r
+
+    async def main():
+        async with httpx.AsyncClient(timeout=120) as client:
+            return await asyncio.gather(*(one(client) for _ in range(10 * QUEUE_LIMIT)))
+
+    responses = asyncio.run(main())
+    codes = [r.status_code for r in responses]
+    assert set(codes) <= {200, 429} and 429 in codes and 200 in codes
+    for r in responses:
+        if r.status_code == 429:
+            assert int(r.headers["Retry-After"]) >= 1
+            assert r.json()["error"]["type"] == "rate_limit_exceeded"
+        else:
+            assert r.json()["usage"]["completion_tokens"] == 12
+
+
+def test_disconnected_streams_leak_no_blocks(server):
+    baseline = server.wait_for(lambda s: s["num_running"] == 0 and s["num_waiting"] == 0)
+    free = baseline["num_free_blocks"]
+
+    async def open_and_drop(client):
+        body = _completion(200, stream=True)
+        async with client.stream("POST", f"{server.url}/v1/completions", json=body,
+                                 headers=AUTH) as r:
+            if r.status_code != 200:
+                return r.status_code
+            async for _ in r.aiter_lines():
+                break  # first chunk received: hang up mid-generation
+        return 200
+
+    async def main():
+        codes = []
+        deadline = time.monotonic() + 240
+        async with httpx.AsyncClient(timeout=60) as client:
+            while len(codes) < 500 and time.monotonic() < deadline:
+                codes += await asyncio.gather(*(open_and_drop(client) for _ in range(QUEUE_LIMIT)))
+        return codes
+
+    codes = asyncio.run(main())
+    assert len(codes) >= 500 and codes.count(200) >= 400
+    stats = server.wait_for(lambda s: s["num_free_blocks"] == free and s["num_running"] == 0)
+    assert stats["num_free_blocks"] == free
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
+    ({"prompt": "x", "top_p": 1.5}, "top_p"),
+    ({"prompt": "x", "n": 0}, "n"),
+    ({"prompt": "x", "logprobs": 9}, "logprobs"),
+    ({"prompt": "x", "stop": [f"s{i}" for i in range(40)]}, "stop"),
+    ({"prompt": "x " * 2000, "max_tokens": 4}, "prompt"),
+    ({"prompt": "hello", "max_tokens": 5000}, "max_tokens"),
+    ({"prompt": ""}, "prompt"),
+    ({"max_tokens": 3}, "prompt"),
+])
+def test_bad_input_gets_400_and_server_keeps_serving(server, body, param):
+    r = httpx.post(f"{server.url}/v1/completions", json=body, headers=AUTH, timeout=30)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and error["message"] and error["type"]
+    ok = httpx.post(f"{server.url}/v1/completions", json=_completion(2), headers=AUTH, timeout=60)
+    assert ok.status_code == 200
+
+
+def test_oversized_body_and_bad_json(server):
+    big = {"prompt": "x" * (5 * 1024 * 1024)}
+    r = httpx.post(f"{server.url}/v1/completions", json=big, headers=AUTH, timeout=30)
+    assert r.status_code == 413 and "error" in r.json()
+    r = httpx.post(f"{server.url}/v1/chat/completions", content=b"{not json", headers={
+        **AUTH, "content-type": "application/json"})
+    assert r.status_code == 400 and "error" in r.json()
+
+
+def test_tokenize_detokenize_version(server):
+    r = httpx.post(f"{server.url}/tokenize", json={"prompt": "Hello world"}, headers=AUTH)
+    tokens = r.json()["tokens"]
+    assert r.json()["count"] == len(tokens) > 0
+    r = httpx.post(f"{server.url}/detokenize", json={"tokens": tokens}, headers=AUTH)
+    assert r.json()["prompt"] == "Hello world"
+    assert httpx.post(f"{server.url}/detokenize", json={"tokens": [-1]},
+                      headers=AUTH).status_code == 400
+    assert "version" in httpx.get(f"{server.url}/version").json()
+
+
+def _metrics(server) -> dict:
+    text = httpx.get(f"{server.url}/metrics").text
+    return {s.name: s.value for fam in text_string_to_metric_families(text)
+            for s in fam.samples if not s.labels or "le" not in s.labels}
+
+
+def test_metrics_parse_and_move(server):
+    before = _metrics(server)
+    r = httpx.post(f"{server.url}/v1/completions", json=_completion(5), headers=AUTH, timeout=60)
+    assert r.status_code == 200
+    after = _metrics(server)
+    gen = "heron:generation_tokens_total"
+    assert after[gen] - before.get(gen, 0) >= 5
+    assert after["heron:time_to_first_token_seconds_count"] > before.get(
+        "heron:time_to_first_token_seconds_count", 0)
+    assert "heron:kv_cache_usage_perc" in after
+
+
+def test_engine_death_makes_health_fail_fast():
+    srv = HeronServer()
+    try:
+        os.kill(srv.stats()["engine_pid"], signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and httpx.get(f"{srv.url}/health").status_code == 200:
+            time.sleep(0.2)
+        assert httpx.get(f"{srv.url}/health").status_code == 503
+        start = time.monotonic()
+        r = httpx.post(f"{srv.url}/v1/completions", json=_completion(), timeout=10)
+        assert r.status_code == 503 and time.monotonic() - start < 5
+    finally:
+        srv.stop()
