@@ -1,4 +1,5 @@
-# heron: `make generate` runs the main job (the embedded SmolLM2), `make test` passes the tests.
+# heron: `make serve` runs the main job (the embedded SmolLM2 behind an OpenAI-compatible API),
+# `make test` passes the tests.
 # Both create .venv on first use and install everything (torch pinned to the 2.13.0 CPU wheel).
 
 PYTHON ?= python3
@@ -7,7 +8,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.heron-installed
 PROMPT ?= Write a haiku about paged attention.
 
-.PHONY: install test generate chat bench clean
+.PHONY: install test serve generate chat bench clean
 
 install: $(STAMP)
 
@@ -21,6 +22,12 @@ $(STAMP): pyproject.toml Makefile
 
 test: $(STAMP)
 	$(PY) -m pytest -q
+
+HOST ?= 127.0.0.1
+PORT ?= 8000
+
+serve: $(STAMP)
+	$(VENV)/bin/heron serve --host $(HOST) --port $(PORT)
 
 generate: $(STAMP)
 	$(VENV)/bin/heron generate "$(PROMPT)" --chat --max-tokens 128

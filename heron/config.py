@@ -58,12 +58,17 @@ class SchedulerConfig:
 
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 128
+    # New prefills are admitted only while this fraction of KV blocks stays free after their
+    # allocation, so running decodes keep room to grow (load shedding near a full cache).
+    kv_watermark: float = 0.01
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1:
             raise ValueError("max_num_batched_tokens must be >= 1")
         if self.max_num_seqs < 1:
             raise ValueError("max_num_seqs must be >= 1")
+        if not 0.0 <= self.kv_watermark < 1.0:
+            raise ValueError("kv_watermark must be in [0, 1)")
 
 
 @dataclass(frozen=True)

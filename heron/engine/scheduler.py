@@ -113,13 +113,23 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             num_tokens = min(request.num_tokens - request.num_computed_tokens, budget)
-            if self.kv_cache.allocate(request, num_tokens) is None:
+            if self._below_watermark(request, num_tokens) or \
+                    self.kv_cache.allocate(request, num_tokens) is None:
                 break  # FCFS: the head waits for blocks, nobody overtakes it
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             out.scheduled.append(ScheduledRequest(request, num_tokens))
             budget -= num_tokens
+
+    def _below_watermark(self, request: Request, num_tokens: int) -> bool:
+        """Admitting ``request`` would leave fewer free blocks than the watermark, while
+        others are running (an idle engine always admits, so nothing waits forever)."""
+        if not self.running:
+            return False
+        watermark = int(self.config.kv_watermark * self.kv_cache.num_blocks)
+        needed = self.kv_cache.num_new_blocks(request, num_tokens)
+        return self.kv_cache.pool.num_free_blocks - needed < watermark
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         """Recompute-style preemption: drop the KV, keep the tokens, requeue at the front."""

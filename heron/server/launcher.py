@@ -30,6 +30,25 @@ class _Server(uvicorn.Server):
                 signal.signal(sig, handler)
 
 
+STATS_INTERVAL_S = 10.0
+
+
+async def log_engine_stats(client, interval: float = STATS_INTERVAL_S) -> None:
+    """Every ``interval`` seconds with activity: throughput, queues, KV usage, preemptions."""
+    last = client.stats()
+    while client.is_alive():
+        await asyncio.sleep(interval)
+        now = client.stats()
+        prompt = now["num_prompt_tokens_total"] - last["num_prompt_tokens_total"]
+        gen = now["num_generation_tokens_total"] - last["num_generation_tokens_total"]
+        if prompt or gen or now["num_running"] or now["num_waiting"]:
+            logger.info("engine: prompt %.1f tok/s, generation %.1f tok/s, running %d, "
+                        "waiting %d, KV cache %.1f%%, preemptions %d", prompt / interval,
+                        gen / interval, now["num_running"], now["num_waiting"],
+                        100 * now["kv_cache_usage"], now["num_preemptions"])
+        last = now
+
+
 async def serve(config: EngineConfig, settings: ServerSettings, host: str, port: int,
                 grace_period_s: float = 30.0) -> None:
     """Run until SIGINT/SIGTERM; in-flight requests get ``grace_period_s`` to finish."""
@@ -37,18 +56,23 @@ async def serve(config: EngineConfig, settings: ServerSettings, host: str, port:
     try:
         app = build_app(client, settings)
         stats = client.stats()
-        logger.warning("heron serving %s (%s) on http://%s:%d  KV blocks: %s, max_model_len %d",
+        logger.info("heron serving %s (%s) on http://%s:%d  KV blocks: %s, max_model_len %d",
                        settings.served_model_name, config.dtype, host, port,
                        stats.get("num_blocks"), client.max_model_len)
         server = _Server(uvicorn.Config(
             app, host=host, port=port, log_level="warning",
             timeout_graceful_shutdown=int(grace_period_s)))
-        await server.serve()
+        stats_task = asyncio.ensure_future(log_engine_stats(client))
+        try:
+            await server.serve()
+        finally:
+            stats_task.cancel()
     finally:
         with contextlib.suppress(Exception):
             await client.shutdown()
 
 
 def run(config: EngineConfig, settings: ServerSettings, host: str, port: int) -> int:
+    logging.getLogger("heron").setLevel(logging.INFO)
     asyncio.run(serve(config, settings, host, port))
     return 0

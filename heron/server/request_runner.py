@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from typing import AsyncIterator
 
@@ -15,6 +16,7 @@ from heron.sampling_params import SamplingParams
 from heron.server.errors import RequestValidationError
 
 DISCONNECT_POLL_S = 0.25
+logger = logging.getLogger("heron.server.requests")
 
 
 def check_length(prompt_ids: list[int], params: SamplingParams, max_model_len: int) -> None:
@@ -48,14 +50,20 @@ async def stream_outputs(state, request_id: str, prompt_ids: list[int],
 
 
 def _observe(metrics, out: RequestOutput, token_times: list[float]) -> None:
+    """Feed the Prometheus metrics and write the one log line per finished request."""
     m = out.metrics
     completion = sum(len(c.token_ids) for c in out.outputs)
     arrival = m.get("arrival_time") or token_times[0]
+    first = m.get("first_token_time") or token_times[0]
+    finish = m.get("finish_time") or token_times[-1]
+    reason = out.outputs[0].finish_reason or "abort"
     metrics.observe_request_finished(
-        prompt_tokens=len(out.prompt_token_ids), completion_tokens=completion,
-        arrival=arrival, first_token=m.get("first_token_time") or token_times[0],
-        finish=m.get("finish_time") or token_times[-1],
-        finish_reason=out.outputs[0].finish_reason or "abort", token_times=token_times)
+        prompt_tokens=len(out.prompt_token_ids), completion_tokens=completion, arrival=arrival,
+        first_token=first, finish=finish, finish_reason=reason, token_times=token_times)
+    tpot = (finish - first) / (completion - 1) if completion > 1 else 0.0
+    logger.info("request %s done: prompt=%d output=%d ttft=%.3fs tpot=%.4fs finish=%s",
+                out.request_id, len(out.prompt_token_ids), completion, first - arrival, tpot,
+                reason)
 
 
 async def run_to_completion(http_request: Request, outputs: AsyncIterator[RequestOutput]

@@ -1,0 +1,44 @@
+"""Near a full KV cache the scheduler stops admitting prefills while decodes continue."""
+
+from __future__ import annotations
+
+from heron.config import SchedulerConfig
+from heron.engine.kv_cache import KVCacheManager
+from heron.engine.request import Request
+from heron.engine.scheduler import Scheduler
+from heron.sampling_params import SamplingParams
+
+
+def _request(rid: str, prompt_len: int) -> Request:
+    return Request(rid, list(range(prompt_len)), SamplingParams(max_tokens=50), max_tokens=50)
+
+
+def _step(scheduler: Scheduler) -> list[str]:
+    out = scheduler.schedule()
+    scheduler.update_after_step(out)
+    for s in out.scheduled:
+        if s.request.num_computed_tokens == s.request.num_tokens:
+            s.request.output_token_ids.append(1)
+    return [s.request.request_id for s in out.scheduled]
+
+
+def test_watermark_holds_back_new_prefills_but_not_decodes():
+    kv = KVCacheManager(num_blocks=20, block_size=4)
+    scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=256, kv_watermark=0.25), kv)
+    scheduler.add(_request("big", 56))  # 14 blocks: admitted, the engine was idle
+    assert _step(scheduler) == ["big"]
+    scheduler.add(_request("small", 8))  # 2 more blocks would leave 4 < 5 free
+    for _ in range(3):
+        assert _step(scheduler) == ["big"]  # the decode continues, the prefill waits
+    assert [r.request_id for r in scheduler.waiting] == ["small"]
+    scheduler.finish(scheduler.running[0], scheduler.running[0].status.FINISHED_ABORTED)
+    assert _step(scheduler) == ["small"]
+
+
+def test_zero_watermark_admits_until_blocks_run_out():
+    kv = KVCacheManager(num_blocks=20, block_size=4)
+    scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=256, kv_watermark=0.0), kv)
+    scheduler.add(_request("big", 56))
+    _step(scheduler)
+    scheduler.add(_request("small", 8))
+    assert _step(scheduler) == ["big", "small"]
