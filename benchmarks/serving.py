@@ -1,15 +1,16 @@
 """Online serving benchmark: Poisson arrivals against an OpenAI-compatible /v1/completions.
 
 Usage: python benchmarks/serving.py --launch [--server-args "..."] | --url http://127.0.0.1:8000
-The core (arrival_times, stream_request, summarize, run_rate) is importable for `heron bench serve`.
-"""
+The core (make_prompts, arrival_times, stream_request, summarize, run_rate) is importable."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import math
+import os
 import random
 import shlex
 import shutil
@@ -23,13 +24,12 @@ from urllib.parse import urlparse
 
 import httpx
 
-WORDS = ("time year people way day man thing woman life child world school state family student "
-         "group country problem hand part place case week company system program question work "
-         "government number night point home water room mother area money story fact month lot "
-         "right study book eye job word business issue side kind head house service friend father "
-         "power hour game line end member law car city community name president team minute idea "
-         "kid body information back parent face others level office door health person art war "
-         "history party result change morning reason research girl guy moment air teacher force").split()
+WORDS = ("time year people way day man thing woman life child world school state family group "
+         "country problem hand part place case week company system program question work number "
+         "night point home water room mother area money story fact month lot right study book eye "
+         "job word business issue side kind head house service friend father power hour game line "
+         "end member law car city name team minute idea body back face level office door health "
+         "person art war history party result change morning reason research moment air force").split()
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 
 
@@ -43,10 +43,10 @@ class RequestResult:
     itl: list[float] = field(default_factory=list)  # gaps between text chunks
     output_tokens: int = 0
     prompt_tokens: int = 0
-    retry_after: float | None = None
+    retry_after: float = math.nan       # seconds, from a 429's Retry-After
 
     @property
-    def ok(self) -> bool:
+    def ok(self) -> bool:  # noqa: D102
         return self.status == 200 and not self.error
 
 
@@ -60,11 +60,9 @@ def arrival_times(num: int, rate: float, seed: int = 0) -> list[float]:
     """Send offsets (s) of a Poisson process at `rate` req/s; rate=inf sends all at t=0."""
     if math.isinf(rate):
         return [0.0] * num
-    rng, t, out = random.Random(seed), 0.0, []
-    for _ in range(num):
-        out.append(t)
-        t += rng.expovariate(rate)
-    return out
+    rng = random.Random(seed)
+    gaps = (rng.expovariate(rate) for _ in range(max(num - 1, 0)))
+    return list(itertools.accumulate(gaps, initial=0.0))[:num]
 
 
 async def stream_request(client: httpx.AsyncClient, url: str, prompt: str, output_len: int,
@@ -77,12 +75,11 @@ async def stream_request(client: httpx.AsyncClient, url: str, prompt: str, outpu
     res, start = RequestResult(), time.perf_counter()
 
     async def consume():
-        last, chunks, done = None, 0, False
+        times, done = [], False
         async with client.stream("POST", url + "/v1/completions", json=body) as resp:
             res.status = resp.status_code
             if resp.status_code != 200:
-                ra = resp.headers.get("retry-after")
-                res.retry_after = float(ra) if ra else None
+                res.retry_after = float(resp.headers.get("retry-after") or "nan")
                 res.error = (await resp.aread()).decode(errors="replace")[:200]
                 return
             async for line in resp.aiter_lines():
@@ -97,15 +94,11 @@ async def stream_request(client: httpx.AsyncClient, url: str, prompt: str, outpu
                     res.output_tokens = msg["usage"]["completion_tokens"]
                     res.prompt_tokens = msg["usage"]["prompt_tokens"]
                 if msg.get("choices") and msg["choices"][0].get("text"):
-                    chunks += 1
-                    if last is None:
-                        res.ttft = now - start
-                    else:
-                        res.itl.append(now - last)
-                    last = now
-            res.output_tokens = res.output_tokens or chunks
-            if not done:
-                res.error = "stream ended without [DONE]"
+                    times.append(now)
+            if times:
+                res.ttft, res.itl = times[0] - start, [b - a for a, b in zip(times, times[1:])]
+            res.output_tokens = res.output_tokens or len(times)
+            res.error = "" if done else "stream ended without [DONE]"
 
     try:
         await asyncio.wait_for(consume(), timeout)
@@ -123,8 +116,7 @@ def percentiles(xs: list[float], name: str, scale: float = 1000.0) -> dict:
 
     def pct(p):
         k = (len(xs) - 1) * p / 100
-        lo, hi = math.floor(k), math.ceil(k)
-        return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+        return xs[math.floor(k)] + (xs[math.ceil(k)] - xs[math.floor(k)]) * (k - math.floor(k))
     return {f"{name}_mean": sum(xs) / len(xs), f"{name}_p50": pct(50), f"{name}_p90": pct(90),
             f"{name}_p99": pct(99)}
 
@@ -134,7 +126,7 @@ def summarize(results: list[RequestResult], duration: float, rate: float) -> dic
     ok = [r for r in results if r.ok]
     n429 = sum(r.status == 429 for r in results)
     out_tok = sum(r.output_tokens for r in ok)
-    retry = [r.retry_after for r in results if r.retry_after is not None]
+    retry = [r.retry_after for r in results if not math.isnan(r.retry_after)]
     errors = sorted({r.error[:80] for r in results if not r.ok and r.status != 429})
     summary = {
         "request_rate": "inf" if math.isinf(rate) else rate, "num_prompts": len(results),
@@ -157,7 +149,7 @@ async def run_rate(url: str, prompts: list[str], output_len: int, rate: float, *
                    seed: int = 0, model: str | None = None) -> dict:
     """Send every prompt once on a Poisson schedule at `rate`; return summarize(...)."""
     sem = asyncio.Semaphore(max_concurrency or len(prompts))
-    limits = httpx.Limits(max_connections=len(prompts) + 1, max_keepalive_connections=len(prompts) + 1)
+    limits = httpx.Limits(max_connections=len(prompts) + 1)
     async with httpx.AsyncClient(timeout=httpx.Timeout(timeout), limits=limits) as client:
         start = time.perf_counter()
 
@@ -171,19 +163,15 @@ async def run_rate(url: str, prompts: list[str], output_len: int, rate: float, *
         return summarize(results, time.perf_counter() - start, rate)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch_server(server_args: str, startup_timeout: float = 600.0) -> tuple[subprocess.Popen, str]:
     """Start `heron serve` on a free loopback port; wait for /health == 200."""
-    port = free_port()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
     exe = shutil.which("heron") or "heron"
     cmd = [exe, "serve", "--host", "127.0.0.1", "--port", str(port), *shlex.split(server_args)]
     print(f"launching: {shlex.join(cmd)}", file=sys.stderr, flush=True)
-    proc, url = subprocess.Popen(cmd), f"http://127.0.0.1:{port}"
+    proc, url = subprocess.Popen(cmd, stdout=sys.stderr), f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + startup_timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -212,7 +200,8 @@ def stop_server(proc: subprocess.Popen, grace: float = 30.0) -> None:
 def print_table(rows: list[dict]) -> None:
     """Counts/throughput per rate, then latency stats (ms) per rate and metric."""
     f = lambda v: "-" if v is None else f"{v:.1f}"  # noqa: E731
-    print(f"{'rate':>6} {'ok':>4} {'429':>4} {'err':>4} {'429%':>6} {'req/s':>7} {'out tok/s':>10} {'dur s':>7}")
+    print(f"{'rate':>6} {'ok':>4} {'429':>4} {'err':>4} {'429%':>6} {'req/s':>7} "
+          f"{'out tok/s':>10} {'dur s':>7}")
     for r in rows:
         print(f"{r['request_rate']:>6} {r['completed']:>4} {r['rejected_429']:>4} {r['errors']:>4} "
               f"{100 * r['rate_429']:>6.1f} {r['request_throughput']:>7.2f} "
@@ -229,13 +218,14 @@ async def main_async(args) -> list[dict]:
     prompts = make_prompts(args.num_prompts, args.input_len, args.seed)
     for _ in range(args.warmup):
         await run_rate(args.url, prompts[:1], args.output_len, math.inf, timeout=args.timeout)
-    rows = []
+    rows, load = [], os.getloadavg()[0]
     for rate in [float(r) for r in args.request_rates.split(",")]:
         row = await run_rate(args.url, prompts, args.output_len, rate, seed=args.seed,
                              max_concurrency=args.max_concurrency, timeout=args.timeout,
                              model=args.model)
         row |= {"input_len": args.input_len, "output_len": args.output_len,
-                "max_concurrency": args.max_concurrency, "server_args": args.server_args}
+                "max_concurrency": args.max_concurrency, "server_args": args.server_args,
+                "loadavg_1m_at_start": load}
         print(json.dumps(row), flush=True)
         rows.append(row)
     return rows
@@ -250,7 +240,7 @@ def main(argv=None) -> None:
     p.add_argument("--model", default=None, help="model field to send (default: server's)")
     p.add_argument("--num-prompts", type=int, default=32, help="requests per rate")
     p.add_argument("--input-len", type=int, default=128, help="prompt length in words (~tokens)")
-    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=128, help="tokens per request (EOS ignored)")
     p.add_argument("--request-rates", default="1,2,4,inf", help="comma-separated req/s; inf = burst")
     p.add_argument("--max-concurrency", type=int, default=None)
     p.add_argument("--timeout", type=float, default=300.0, help="per-request limit (s)")
@@ -272,8 +262,7 @@ def main(argv=None) -> None:
     print_table(rows)
     if args.json_out:
         with open(args.json_out, "w") as fh:
-            json.dump({"config": {k: v for k, v in vars(args).items() if k != "json_out"},
-                       "results": rows}, fh, indent=2)
+            json.dump({"config": vars(args), "results": rows}, fh, indent=2)
 
 
 if __name__ == "__main__":

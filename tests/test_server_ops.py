@@ -157,3 +157,20 @@ def test_engine_death_makes_health_fail_fast():
         assert r.status_code == 503 and time.monotonic() - start < 5
     finally:
         srv.stop()
+
+
+def test_sigterm_finishes_in_flight_requests_and_exits_zero():
+    srv = HeronServer()
+    body = {"prompt": "Write a story.", "max_tokens": 48, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    texts = []
+    with httpx.Client(timeout=60) as client:
+        with client.stream("POST", f"{srv.url}/v1/completions", json=body) as r:
+            lines = r.iter_lines()
+            texts.append(next(lines))
+            srv.proc.send_signal(signal.SIGTERM)
+            texts += list(lines)
+    events = [t for t in texts if t]
+    assert events[-1] == "data: [DONE]"
+    assert '"finish_reason":"length"' in events[-2]  # all 48 tokens, not cut short
+    assert srv.proc.wait(60) == 0

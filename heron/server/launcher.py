@@ -17,7 +17,16 @@ logger = logging.getLogger("heron.server")
 
 
 class _Server(uvicorn.Server):
-    """uvicorn re-raises SIGTERM after a graceful shutdown (exit status -15); heron exits 0."""
+    """On SIGTERM/SIGINT: answer new requests 503, let in-flight ones finish, exit 0
+    (stock uvicorn re-raises the signal after its graceful shutdown: exit status -15)."""
+
+    def __init__(self, config: uvicorn.Config, state) -> None:
+        super().__init__(config)
+        self.heron_state = state
+
+    def handle_exit(self, sig, frame) -> None:
+        self.heron_state.draining = True
+        super().handle_exit(sig, frame)
 
     @contextlib.contextmanager
     def capture_signals(self):
@@ -61,7 +70,7 @@ async def serve(config: EngineConfig, settings: ServerSettings, host: str, port:
                        stats.get("num_blocks"), client.max_model_len)
         server = _Server(uvicorn.Config(
             app, host=host, port=port, log_level="warning",
-            timeout_graceful_shutdown=int(grace_period_s)))
+            timeout_graceful_shutdown=int(grace_period_s)), app.state.heron)
         stats_task = asyncio.ensure_future(log_engine_stats(client))
         try:
             await server.serve()
