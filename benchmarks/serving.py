@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import itertools
 import json
 import math
 import os
 import random
 import shlex
-import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -26,11 +25,7 @@ import httpx
 
 WORDS = ("time year people way day man thing woman life child world school state family group "
          "country problem hand part place case week company system program question work number "
-         "night point home water room mother area money story fact month lot right study book eye "
-         "job word business issue side kind head house service friend father power hour game line "
-         "end member law car city name team minute idea body back face level office door health "
-         "person art war history party result change morning reason research moment air force").split()
-LOOPBACK = {"127.0.0.1", "localhost", "::1"}
+         "night point home water room mother area money story fact month lot right study").split()
 
 
 @dataclass
@@ -46,7 +41,7 @@ class RequestResult:
     retry_after: float = math.nan       # seconds, from a 429's Retry-After
 
     @property
-    def ok(self) -> bool:  # noqa: D102
+    def ok(self) -> bool:
         return self.status == 200 and not self.error
 
 
@@ -68,57 +63,49 @@ def arrival_times(num: int, rate: float, seed: int = 0) -> list[float]:
 async def stream_request(client: httpx.AsyncClient, url: str, prompt: str, output_len: int,
                          timeout: float, model: str | None = None) -> RequestResult:
     """POST one streaming completion (ignore_eos, greedy) and time its SSE chunks."""
-    body = {"prompt": prompt, "max_tokens": output_len, "temperature": 0.0, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True}}
-    if model:
-        body["model"] = model
-    res, start = RequestResult(), time.perf_counter()
-
-    async def consume():
-        times, done = [], False
-        async with client.stream("POST", url + "/v1/completions", json=body) as resp:
-            res.status = resp.status_code
-            if resp.status_code != 200:
-                res.retry_after = float(resp.headers.get("retry-after") or "nan")
-                res.error = (await resp.aread()).decode(errors="replace")[:200]
-                return
-            async for line in resp.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    done = True
-                    break
-                msg, now = json.loads(data), time.perf_counter()
-                if msg.get("usage"):
-                    res.output_tokens = msg["usage"]["completion_tokens"]
-                    res.prompt_tokens = msg["usage"]["prompt_tokens"]
-                if msg.get("choices") and msg["choices"][0].get("text"):
-                    times.append(now)
-            if times:
-                res.ttft, res.itl = times[0] - start, [b - a for a, b in zip(times, times[1:])]
-            res.output_tokens = res.output_tokens or len(times)
-            res.error = "" if done else "stream ended without [DONE]"
-
+    body = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0.0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    res, start, times = RequestResult(), time.perf_counter(), []  # times: text chunk arrivals
     try:
-        await asyncio.wait_for(consume(), timeout)
-    except Exception as exc:  # timeout, connection reset, bad JSON: an error, not a crash
+        async with asyncio.timeout(timeout):
+            async with client.stream("POST", url + "/v1/completions", json=body) as resp:
+                res.status = resp.status_code
+                if resp.status_code != 200:
+                    res.retry_after = float(resp.headers.get("retry-after") or "nan")
+                    text = (await resp.aread()).decode(errors="replace")
+                    raise RuntimeError(f"HTTP {resp.status_code}: {text}")
+                async for line in resp.aiter_lines():
+                    if not line.startswith("data:"):
+                        continue
+                    data = line[5:].strip()
+                    if data == "[DONE]":
+                        break
+                    msg, now = json.loads(data), time.perf_counter()
+                    if usage := msg.get("usage"):
+                        res.prompt_tokens = usage["prompt_tokens"]
+                        res.output_tokens = usage["completion_tokens"]
+                    if msg.get("choices") and msg["choices"][0].get("text"):
+                        times.append(now)
+                else:
+                    res.error = "stream ended without [DONE]"
+    except Exception as exc:  # timeout, HTTP error, reset, bad JSON: an error, not a crash
         res.error = f"{type(exc).__name__}: {exc}"[:200]
     res.e2e = time.perf_counter() - start
+    if times:
+        res.ttft, res.itl = times[0] - start, [b - a for a, b in zip(times, times[1:])]
+    res.output_tokens = res.output_tokens or len(times)
     return res
 
 
 def percentiles(xs: list[float], name: str, scale: float = 1000.0) -> dict:
     """Mean / P50 / P90 / P99 of xs (linear interpolation), scaled (default: s -> ms)."""
     xs = sorted(x * scale for x in xs if not math.isnan(x))
-    if not xs:
-        return {f"{name}_{k}": None for k in ("mean", "p50", "p90", "p99")}
-
-    def pct(p):
+    out = {f"{name}_mean": sum(xs) / len(xs) if xs else None}
+    for p in (50, 90, 99):
         k = (len(xs) - 1) * p / 100
-        return xs[math.floor(k)] + (xs[math.ceil(k)] - xs[math.floor(k)]) * (k - math.floor(k))
-    return {f"{name}_mean": sum(xs) / len(xs), f"{name}_p50": pct(50), f"{name}_p90": pct(90),
-            f"{name}_p99": pct(99)}
+        lo, hi = math.floor(k), math.ceil(k)
+        out[f"{name}_p{p}"] = xs[lo] + (xs[hi] - xs[lo]) * (k - lo) if xs else None
+    return out
 
 
 def summarize(results: list[RequestResult], duration: float, rate: float) -> dict:
@@ -133,8 +120,8 @@ def summarize(results: list[RequestResult], duration: float, rate: float) -> dic
         "completed": len(ok), "rejected_429": n429, "errors": len(results) - len(ok) - n429,
         "rate_429": n429 / max(len(results), 1), "duration_s": duration,
         "request_throughput": len(ok) / duration, "output_token_throughput": out_tok / duration,
-        "total_output_tokens": out_tok,
-        "mean_prompt_tokens": sum(r.prompt_tokens for r in ok) / len(ok) if ok else None,
+        "total_output_tokens": out_tok, "mean_prompt_tokens": (
+            sum(r.prompt_tokens for r in ok) / len(ok) if ok else None),
         "retry_after_max_s": max(retry) if retry else None, "error_samples": errors[:3]}
     summary |= percentiles([r.ttft for r in ok], "ttft_ms")
     summary |= percentiles([(r.e2e - r.ttft) / (r.output_tokens - 1)
@@ -158,8 +145,8 @@ async def run_rate(url: str, prompts: list[str], output_len: int, rate: float, *
             async with sem:
                 return await stream_request(client, url, prompt, output_len, timeout, model)
 
-        tasks = [one(t, p) for t, p in zip(arrival_times(len(prompts), rate, seed), prompts)]
-        results = await asyncio.gather(*tasks)
+        offsets = arrival_times(len(prompts), rate, seed)
+        results = await asyncio.gather(*(one(t, p) for t, p in zip(offsets, prompts)))
         return summarize(results, time.perf_counter() - start, rate)
 
 
@@ -168,19 +155,16 @@ def launch_server(server_args: str, startup_timeout: float = 600.0) -> tuple[sub
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    exe = shutil.which("heron") or "heron"
-    cmd = [exe, "serve", "--host", "127.0.0.1", "--port", str(port), *shlex.split(server_args)]
+    cmd = [sys.executable, "-m", "heron.entrypoints.cli", "serve", "--host", "127.0.0.1",
+           "--port", str(port), *shlex.split(server_args)]
     print(f"launching: {shlex.join(cmd)}", file=sys.stderr, flush=True)
     proc, url = subprocess.Popen(cmd, stdout=sys.stderr), f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + startup_timeout
-    while time.monotonic() < deadline:
+    for _ in range(int(startup_timeout / 0.5)):
         if proc.poll() is not None:
             raise RuntimeError(f"heron serve exited with code {proc.returncode}")
-        try:
+        with contextlib.suppress(httpx.HTTPError):
             if httpx.get(url + "/health", timeout=2).status_code == 200:
                 return proc, url
-        except httpx.HTTPError:
-            pass
         time.sleep(0.5)
     stop_server(proc)
     raise TimeoutError(f"server not healthy after {startup_timeout}s")
@@ -189,7 +173,7 @@ def launch_server(server_args: str, startup_timeout: float = 600.0) -> tuple[sub
 def stop_server(proc: subprocess.Popen, grace: float = 30.0) -> None:
     """SIGTERM, then SIGKILL if it has not exited within `grace` seconds."""
     if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
+        proc.terminate()  # SIGTERM: heron drains in-flight requests, then exits
         try:
             proc.wait(grace)
         except subprocess.TimeoutExpired:
@@ -209,23 +193,22 @@ def print_table(rows: list[dict]) -> None:
     print(f"\n{'rate':>6} {'metric (ms)':>11} {'mean':>8} {'p50':>8} {'p90':>8} {'p99':>8}")
     for r in rows:
         for m in ("ttft", "tpot", "itl", "e2e"):
-            vals = [f(r[f'{m}_ms_{k}']) for k in ('mean', 'p50', 'p90', 'p99')]
-            print(f"{r['request_rate']:>6} {m:>11} " + " ".join(f"{v:>8}" for v in vals))
+            vals = " ".join(f"{f(r[f'{m}_ms_{k}']):>8}" for k in ("mean", "p50", "p90", "p99"))
+            print(f"{r['request_rate']:>6} {m:>11} {vals}")
 
 
 async def main_async(args) -> list[dict]:
-    """Warm up, then run every rate in turn against args.url."""
+    """One untimed warmup request, then every rate in turn against args.url."""
     prompts = make_prompts(args.num_prompts, args.input_len, args.seed)
-    for _ in range(args.warmup):
-        await run_rate(args.url, prompts[:1], args.output_len, math.inf, timeout=args.timeout)
     rows, load = [], os.getloadavg()[0]
+    await run_rate(args.url, prompts[:1], args.output_len, math.inf, timeout=args.timeout,
+                   model=args.model)  # warmup, not reported
     for rate in [float(r) for r in args.request_rates.split(",")]:
         row = await run_rate(args.url, prompts, args.output_len, rate, seed=args.seed,
                              max_concurrency=args.max_concurrency, timeout=args.timeout,
                              model=args.model)
-        row |= {"input_len": args.input_len, "output_len": args.output_len,
-                "max_concurrency": args.max_concurrency, "server_args": args.server_args,
-                "loadavg_1m_at_start": load}
+        keys = ("input_len", "output_len", "max_concurrency", "server_args")
+        row |= {k: getattr(args, k) for k in keys} | {"loadavg_1m_at_start": load}
         print(json.dumps(row), flush=True)
         rows.append(row)
     return rows
@@ -241,20 +224,17 @@ def main(argv=None) -> None:
     p.add_argument("--num-prompts", type=int, default=32, help="requests per rate")
     p.add_argument("--input-len", type=int, default=128, help="prompt length in words (~tokens)")
     p.add_argument("--output-len", type=int, default=128, help="tokens per request (EOS ignored)")
-    p.add_argument("--request-rates", default="1,2,4,inf", help="comma-separated req/s; inf = burst")
+    p.add_argument("--request-rates", default="1,2,4,inf", help="req/s list; inf = all at once")
     p.add_argument("--max-concurrency", type=int, default=None)
     p.add_argument("--timeout", type=float, default=300.0, help="per-request limit (s)")
-    p.add_argument("--warmup", type=int, default=1, help="untimed requests before the runs")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json-out", default=None)
     args = p.parse_args(argv)
-    if args.url and urlparse(args.url).hostname not in LOOPBACK:
+    if args.url and urlparse(args.url).hostname not in ("127.0.0.1", "localhost", "::1"):
         p.error("--url must point at a loopback address")
-    proc = None
+    proc, url = launch_server(args.server_args) if args.launch else (None, args.url)
+    args.url = url.rstrip("/")
     try:
-        if args.launch:
-            proc, args.url = launch_server(args.server_args)
-        args.url = args.url.rstrip("/")
         rows = asyncio.run(main_async(args))
     finally:
         if proc is not None:

@@ -141,6 +141,9 @@ def test_metrics_parse_and_move(server):
     assert after[gen] - before.get(gen, 0) >= 5
     assert after["heron:time_to_first_token_seconds_count"] > before.get(
         "heron:time_to_first_token_seconds_count", 0)
+    for histogram in ("heron:request_queue_time_seconds", "heron:request_prefill_time_seconds",
+                      "heron:e2e_request_latency_seconds"):
+        assert after[f"{histogram}_count"] > before.get(f"{histogram}_count", 0)
     assert "heron:kv_cache_usage_perc" in after
 
 

@@ -56,7 +56,8 @@ class _Stream:
             comp.finish_reason, comp.stop_reason = delta.finish_reason, delta.stop_reason
         if delta.prompt_logprobs is not None:
             self.prompt_logprobs = [m.decode_logprobs(p) for p in delta.prompt_logprobs]
-        for key in ("arrival_time", "first_token_time", "finish_time"):
+        for key in ("arrival_time", "scheduled_time", "first_token_time",
+                    "finish_time"):
             if getattr(delta, key) is not None:
                 self.metrics[key] = getattr(delta, key)
         self.metrics["num_preemptions"] = delta.num_preemptions

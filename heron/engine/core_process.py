@@ -48,7 +48,8 @@ def _stream_end(text: str, sent: int, finished: bool, max_stop_len: int) -> int:
 
 
 def _metrics_fields(out: RequestOutput) -> dict:
-    keys = ("arrival_time", "first_token_time", "finish_time", "num_preemptions")
+    keys = ("arrival_time", "scheduled_time", "first_token_time", "finish_time",
+            "num_preemptions")
     return {k: out.metrics[k] for k in keys if out.metrics.get(k) is not None}
 
 

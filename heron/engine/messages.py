@@ -84,6 +84,7 @@ class OutputDelta(msgspec.Struct, array_like=True, omit_defaults=True):
     num_prompt_tokens: int = 0
     prompt_logprobs: list[WireLogprobs | None] | None = None  # only on a request's first delta
     arrival_time: float | None = None
+    scheduled_time: float | None = None
     first_token_time: float | None = None
     finish_time: float | None = None
     num_preemptions: int = 0

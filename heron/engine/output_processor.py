@@ -67,6 +67,8 @@ def _metrics(children: list[Request]) -> dict:
     first = children[0]
     return {
         "arrival_time": first.arrival_time,
+        "scheduled_time": min((c.scheduled_time for c in children if c.scheduled_time),
+                              default=None),
         "first_token_time": min((c.first_token_time for c in children if c.first_token_time),
                                 default=None),
         "finish_time": max((c.finish_time for c in children if c.finish_time), default=None),

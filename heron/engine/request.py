@@ -51,6 +51,7 @@ class Request:
     logprobs: list[PositionLogprobs] = field(default_factory=list)
     prompt_logprobs: list[PositionLogprobs | None] = field(default_factory=list)
     num_preemptions: int = 0
+    scheduled_time: float | None = None  # first time the scheduler gave it tokens
     first_token_time: float | None = None
     finish_time: float | None = None
 

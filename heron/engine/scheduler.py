@@ -117,6 +117,8 @@ class Scheduler:
                     self.kv_cache.allocate(request, num_tokens) is None:
                 break  # FCFS: the head waits for blocks, nobody overtakes it
             self.waiting.popleft()
+            if request.scheduled_time is None:
+                request.scheduled_time = time.monotonic()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             out.scheduled.append(ScheduledRequest(request, num_tokens))

@@ -57,9 +57,11 @@ def _observe(metrics, out: RequestOutput, token_times: list[float]) -> None:
     first = m.get("first_token_time") or token_times[0]
     finish = m.get("finish_time") or token_times[-1]
     reason = out.outputs[0].finish_reason or "abort"
+    scheduled = m.get("scheduled_time")
     metrics.observe_request_finished(
         prompt_tokens=len(out.prompt_token_ids), completion_tokens=completion, arrival=arrival,
-        first_token=first, finish=finish, finish_reason=reason, token_times=token_times)
+        first_token=first, finish=finish, finish_reason=reason, token_times=token_times,
+        queue_time=scheduled - arrival if scheduled is not None else None)
     tpot = (finish - first) / (completion - 1) if completion > 1 else 0.0
     logger.info("request %s done: prompt=%d output=%d ttft=%.3fs tpot=%.4fs finish=%s",
                 out.request_id, len(out.prompt_token_ids), completion, first - arrival, tpot,
