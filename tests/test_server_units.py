@@ -11,8 +11,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from heron.server.admission import AdmissionController, Overloaded
 from heron.server.errors import RequestValidationError, error_body, pydantic_error_message
 from heron.server.metrics import ServerMetrics, cost_per_million_tokens
-from heron.server.protocol import (ChatCompletionRequest, ChatCompletionResponse,
-                                   CompletionRequest, ErrorResponse, Usage, validate_limits)
+from heron.server.protocol import ChatCompletionRequest, CompletionRequest, validate_limits
+from heron.server.responses import ChatCompletionResponse, ErrorResponse, Usage
 
 
 def completion(**kw):

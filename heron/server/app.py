@@ -13,7 +13,8 @@ from heron.engine.async_client import EngineDeadError
 from heron.server.admission import AdmissionController, Overloaded
 from heron.server.errors import RequestValidationError, error_body, pydantic_error_message
 from heron.server.metrics import ServerMetrics
-from heron.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from heron.server.protocol import ChatCompletionRequest, CompletionRequest
+from heron.server.responses import ModelCard, ModelList
 from heron.server.serving_chat import create_chat_completion
 from heron.server.serving_completions import create_completion
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from heron.outputs import PositionLogprobs
-from heron.server.protocol import ChatLogprobEntry, ChatTopLogprob, CompletionLogprobs
+from heron.server.responses import ChatLogprobEntry, ChatTopLogprob, CompletionLogprobs
 
 
 def _top(position: PositionLogprobs, k: int) -> list[tuple[int, float]]:

@@ -7,10 +7,11 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from heron.server.errors import RequestValidationError
 from heron.server.logprobs_format import chat_logprobs
-from heron.server.protocol import (ChatChoiceLogprobs, ChatCompletionChoice,
-                                   ChatCompletionRequest, ChatCompletionResponse,
-                                   ChatCompletionStreamChoice, ChatCompletionStreamResponse,
-                                   ChatResponseMessage, DeltaMessage, Usage, random_id)
+from heron.server.protocol import ChatCompletionRequest
+from heron.server.responses import (ChatChoiceLogprobs, ChatCompletionChoice,
+                                    ChatCompletionResponse, ChatCompletionStreamChoice,
+                                    ChatCompletionStreamResponse, ChatResponseMessage,
+                                    DeltaMessage, Usage, random_id)
 from heron.server.request_runner import check_length, run_to_completion, stream_outputs
 from heron.server.sse import sse_done, sse_event
 

@@ -11,8 +11,9 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from heron.outputs import RequestOutput
 from heron.server.logprobs_format import completion_logprobs
-from heron.server.protocol import (CompletionChoice, CompletionRequest, CompletionResponse,
-                                   CompletionStreamResponse, Usage, random_id)
+from heron.server.protocol import CompletionRequest
+from heron.server.responses import (CompletionChoice, CompletionResponse,
+                                    CompletionStreamResponse, Usage, random_id)
 from heron.server.request_runner import check_length, run_to_completion, stream_outputs
 from heron.server.sse import sse_event, sse_done
 
