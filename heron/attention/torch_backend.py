@@ -21,7 +21,6 @@ class _DecodePlan:
     block_tables: torch.Tensor  # (num_decodes, max_blocks)
     key_pos: torch.Tensor  # (num_decodes, max_blocks * block_size) key positions
     seq_lens: torch.Tensor  # (num_decodes,)
-    max_len: int
     masks: dict = field(default_factory=dict)  # sliding window -> (B, 1, 1, L) bool mask
 
     def mask(self, sliding_window: int | None) -> torch.Tensor:
@@ -46,7 +45,6 @@ def _decode_plan(md: AttentionMetadata) -> _DecodePlan | None:
         block_tables=md.block_tables[idx, :num_blocks],
         key_pos=key_pos.expand(len(rows), -1),
         seq_lens=md.seq_lens[idx],
-        max_len=max_len,
     )
 
 

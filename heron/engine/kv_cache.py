@@ -66,10 +66,6 @@ class KVCacheManager:
         return self.pool.num_blocks
 
     @property
-    def capacity_tokens(self) -> int:
-        return self.pool.num_blocks * self.block_size
-
-    @property
     def usage(self) -> float:
         """Fraction of blocks in use, in [0, 1]."""
         return 1.0 - self.pool.num_free_blocks / self.pool.num_blocks
@@ -102,8 +98,3 @@ class KVCacheManager:
         for block_id in reversed(request.block_ids):
             self.pool.release(block_id)
         request.block_ids = []
-
-    def slot(self, request: Request, position: int) -> int:
-        """Flat slot index of token ``position`` of ``request`` in the KV pool."""
-        block = request.block_ids[position // self.block_size]
-        return block * self.block_size + position % self.block_size

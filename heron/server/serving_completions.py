@@ -91,7 +91,6 @@ async def _merge(streams: list[AsyncIterator[RequestOutput]]):
 
 
 async def _stream(req, state, base_id, prompts, streams, admission):
-    tokenizer = state.client.tokenizer
     sent_text: dict[tuple[int, int], int] = {}
     sent_tokens: dict[tuple[int, int], int] = {}
     completion_tokens = 0
