@@ -24,6 +24,7 @@ import zmq.asyncio
 from heron.config import EngineConfig
 from heron.engine import messages as m
 from heron.engine.core_process import run_engine_core
+from heron.loader.model_source import load_tokenizer
 from heron.outputs import CompletionOutput, RequestOutput
 from heron.sampling_params import SamplingParams
 
@@ -115,7 +116,7 @@ class AsyncEngineClient:
         proc.start()
         try:
             ready = await _wait_ready(proc, out_sock, startup_timeout)
-            tokenizer = await asyncio.to_thread(_load_tokenizer, ready.tokenizer_dir)
+            tokenizer = await asyncio.to_thread(load_tokenizer, ready.tokenizer_dir)
         except BaseException:
             _stop_process(proc, 0)
             _close(ctx, in_sock, out_sock, tmpdir)
@@ -272,14 +273,6 @@ async def _wait_ready(proc, out_sock, timeout: float) -> m.ReadyMsg:
             raise RuntimeError(f"the engine core exited during startup "
                                f"(exit code {proc.exitcode})")
     raise RuntimeError(f"the engine core was not ready within {timeout:.0f} s")
-
-
-def _load_tokenizer(tokenizer_dir: str | None):
-    if tokenizer_dir is None:
-        return None
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(tokenizer_dir)
 
 
 def _stop_process(proc, timeout: float) -> None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import tempfile
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -51,18 +50,6 @@ def _metrics_fields(out: RequestOutput) -> dict:
     keys = ("arrival_time", "scheduled_time", "first_token_time", "finish_time",
             "num_preemptions")
     return {k: out.metrics[k] for k in keys if out.metrics.get(k) is not None}
-
-
-def _tokenizer_dir(tokenizer) -> str | None:
-    """A directory the API process can load the same tokenizer from."""
-    if tokenizer is None:
-        return None
-    path = str(getattr(tokenizer, "name_or_path", "") or "")
-    if os.path.isdir(path):
-        return path
-    path = tempfile.mkdtemp(prefix="heron-tokenizer-")
-    tokenizer.save_pretrained(path)
-    return path
 
 
 class EngineCore:
@@ -113,15 +100,15 @@ class EngineCore:
     def _add(self, msg: m.AddRequest) -> None:
         try:
             params = m.params_from_dict(msg.params)
-            self.engine.add_request(msg.request_id, msg.prompt_token_ids, params)
+            # time in queue counts from the API side's receipt
+            self.engine.add_request(msg.request_id, msg.prompt_token_ids, params,
+                                    arrival_time=msg.arrival_time)
         except Exception as exc:  # ValueError for bad input; anything else is logged too
             if not isinstance(exc, ValueError):
                 logger.exception("add_request %s failed", msg.request_id)
             self.counters["rejected"] += 1
             self._send(m.ErrorMsg(msg.request_id, str(exc) or type(exc).__name__))
             return
-        for child in self.engine.groups[msg.request_id].children:
-            child.arrival_time = msg.arrival_time  # time in queue counts from the API side
         self.counters["prompt"] += len(msg.prompt_token_ids)
         self.sent[msg.request_id] = _Sent(max((len(s) for s in params.stop), default=0))
 
@@ -188,7 +175,8 @@ def _ready(engine) -> m.ReadyMsg:
         model_name=engine.model_name, architecture=engine.arch.architecture,
         max_model_len=engine.max_model_len, vocab_size=engine.arch.vocab_size,
         num_kv_blocks=engine.kv_cache.num_blocks, block_size=engine.config.cache.block_size,
-        eos_token_ids=list(engine.eos_token_ids), tokenizer_dir=_tokenizer_dir(engine.tokenizer))
+        eos_token_ids=list(engine.eos_token_ids),
+        tokenizer_dir=str(engine.tokenizer_dir) if engine.tokenizer_dir else None)
 
 
 def _connect(ctx: zmq.Context, kind: int, addr: str) -> zmq.Socket:
@@ -213,10 +201,6 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str) -> 
     out_sock = _connect(ctx, zmq.PUSH, output_addr)
     encoder = msgspec.msgpack.Encoder()
     try:
-        if config.num_threads:
-            import torch
-
-            torch.set_num_threads(config.num_threads)
         from heron.engine.llm_engine import LLMEngine
 
         engine = LLMEngine(config)

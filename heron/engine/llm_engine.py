@@ -14,7 +14,7 @@ from heron.engine.kv_cache import KVCacheManager
 from heron.engine.output_processor import RequestGroup
 from heron.engine.request import Request, RequestStatus
 from heron.engine.scheduler import Scheduler, SchedulerOutput
-from heron.loader.model_source import resolve_model
+from heron.loader.model_source import load_tokenizer, resolve_model
 from heron.loader.weights import build_model, load_weights, optimize_layout
 from heron.models import ModelArchConfig, get_model_class
 from heron.models.config import architecture_of
@@ -24,14 +24,6 @@ from heron.runner.model_runner import ModelRunner, StepResult
 from heron.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
-
-
-def _load_tokenizer(tokenizer_dir):
-    if tokenizer_dir is None:
-        return None
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(tokenizer_dir))
 
 
 def _eos_ids(source, arch: ModelArchConfig) -> tuple[int, ...]:
@@ -47,6 +39,8 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         started = time.monotonic()
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
         source = resolve_model(config.model)
         get_model_class(architecture_of(source.hf_config))  # unsupported: fail before parsing
         self.arch = ModelArchConfig.from_hf(source.hf_config)
@@ -56,7 +50,8 @@ class LLMEngine:
         model = build_model(self.arch, dtype, self.device)
         load_weights(model, source.weights(), dtype)
         optimize_layout(model, self.device)
-        self.tokenizer = _load_tokenizer(source.tokenizer_dir)
+        self.tokenizer_dir = source.tokenizer_dir  # where another process can load it from
+        self.tokenizer = load_tokenizer(source.tokenizer_dir)
         self.eos_token_ids = _eos_ids(source, self.arch)
         self.max_model_len = config.max_model_len or self.arch.max_position_embeddings
         block_size = config.cache.block_size
@@ -105,9 +100,12 @@ class LLMEngine:
             raise ValueError(f"token ids out of the vocabulary [0, {self.arch.vocab_size}): "
                              f"{bad[:5]}")
 
-    def add_request(self, request_id: str, prompt: str | list[int],
-                    params: SamplingParams) -> None:
-        """Validate and queue; raises ValueError (queueing nothing) for bad input."""
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                    arrival_time: float | None = None) -> None:
+        """Validate and queue; raises ValueError (queueing nothing) for bad input.
+
+        ``arrival_time`` (time.monotonic) defaults to now; a server passes its own receipt time.
+        """
         if request_id in self.groups:
             raise ValueError(f"duplicate request id {request_id!r}")
         token_ids = self.tokenize(prompt)
@@ -116,6 +114,9 @@ class LLMEngine:
         max_tokens = min(params.max_tokens or room, room)
         children = [self._child(request_id, i, token_ids, params, max_tokens)
                     for i in range(params.n)]
+        if arrival_time is not None:
+            for child in children:
+                child.arrival_time = arrival_time
         detoks = [self._detokenizer(token_ids, params) for _ in children]
         self.groups[request_id] = RequestGroup(
             request_id, prompt if isinstance(prompt, str) else None, children, detoks)
