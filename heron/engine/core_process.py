@@ -20,6 +20,7 @@ import zmq
 
 from heron.config import EngineConfig
 from heron.engine import messages as m
+from heron.engine.detokenizer import stream_safe_end
 from heron.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
@@ -37,13 +38,6 @@ class _Sent:
     tokens: dict[int, int] = field(default_factory=dict)
     text: dict[int, int] = field(default_factory=dict)
     done: set[int] = field(default_factory=set)  # completions whose final delta was sent
-
-
-def _stream_end(text: str, sent: int, finished: bool, max_stop_len: int) -> int:
-    """End of the text safe to send: while running, hold back a tail that may start a stop."""
-    if finished or max_stop_len == 0:
-        return len(text)
-    return max(sent, len(text) - max_stop_len + 1)
 
 
 def _metrics_fields(out: RequestOutput) -> dict:
@@ -138,7 +132,7 @@ class EngineCore:
             return None
         n_tok, n_text = sent.tokens.get(comp.index, 0), sent.text.get(comp.index, 0)
         finished = comp.finish_reason is not None
-        end = _stream_end(comp.text, n_text, finished, sent.max_stop_len)
+        end = stream_safe_end(comp.text, n_text, finished, sent.max_stop_len)
         new_tokens = comp.token_ids[n_tok:]
         if not new_tokens and end == n_text and not finished:
             return None

@@ -12,6 +12,14 @@ from __future__ import annotations
 _CONTEXT_TOKENS = 5
 
 
+def stream_safe_end(text: str, sent: int, finished: bool, max_stop_len: int) -> int:
+    """End of the text safe to stream, given ``sent`` characters already sent: while the
+    sequence runs, hold back a tail that may be the start of a stop string (it would be cut)."""
+    if finished or max_stop_len == 0:
+        return len(text)
+    return max(sent, len(text) - max_stop_len + 1)
+
+
 class IncrementalDetokenizer:
     """Accumulates ``text`` for one sequence; ``update`` returns the stop string hit, if any.
 
@@ -72,9 +80,8 @@ class IncrementalDetokenizer:
 
     def take_stream_text(self, finished: bool) -> str:
         """New text safe to stream: when running, hold back a tail that may begin a stop string."""
-        end = len(self.text)
-        if not finished and self.stop:
-            end = max(self.stream_offset, end - max(len(s) for s in self.stop) + 1)
+        end = stream_safe_end(self.text, self.stream_offset, finished,
+                              max((len(s) for s in self.stop), default=0))
         chunk = self.text[self.stream_offset:end]
         self.stream_offset = end
         return chunk

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 
+from heron.engine.detokenizer import stream_safe_end
 from heron.sampling_params import SamplingParams
 
 
@@ -12,7 +13,7 @@ def _stream(llm, prompt: str | list[int], params: SamplingParams, out=sys.stdout
     engine = llm.engine
     request_id = engine.new_request_id()
     engine.add_request(request_id, prompt, params)
-    holdback = max((len(s) for s in params.stop), default=1) - 1
+    max_stop_len = max((len(s) for s in params.stop), default=0)
     printed, text = 0, ""
     try:
         while engine.has_unfinished_requests():
@@ -20,7 +21,7 @@ def _stream(llm, prompt: str | list[int], params: SamplingParams, out=sys.stdout
                 if output.request_id != request_id:
                     continue
                 text = output.outputs[0].text
-                end = len(text) if output.finished else max(printed, len(text) - holdback)
+                end = stream_safe_end(text, printed, output.finished, max_stop_len)
                 out.write(text[printed:end])
                 out.flush()
                 printed = end
