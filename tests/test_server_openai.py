@@ -90,3 +90,17 @@ def test_n_stop_logprobs_echo(client, smollm2):
                                           logprobs=True, top_logprobs=3, max_tokens=4)
     entries = chat.choices[0].logprobs.content
     assert len(entries) == 4 and all(len(e.top_logprobs) == 3 for e in entries)
+
+
+def test_streaming_n2_sends_each_finish_once(client):
+    kw = dict(model="x", messages=[{"role": "user", "content": "Tell me a story."}], n=2,
+              seed=3, temperature=1.0, max_tokens=40, stop=["e"])
+    full = client.chat.completions.create(**kw)
+    # the samples stop at different steps: one is finished while the other still streams
+    assert len({c.message.content for c in full.choices}) == 2
+    chunks = list(client.chat.completions.create(stream=True, **kw))
+    for index in (0, 1):
+        mine = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == index]
+        assert sum(ch.finish_reason is not None for ch in mine) == 1
+        text = "".join(ch.delta.content or "" for ch in mine)
+        assert text == next(c.message.content for c in full.choices if c.index == index)

@@ -13,7 +13,7 @@ from heron.server.responses import (ChatChoiceLogprobs, ChatCompletionChoice,
                                     ChatCompletionStreamResponse, ChatResponseMessage,
                                     DeltaMessage, Usage, random_id)
 from heron.server.request_runner import check_length, run_to_completion, stream_outputs
-from heron.server.sse import sse_done, sse_event
+from heron.server.sse import StreamCursor, sse_done, sse_event
 
 
 def apply_template(tokenizer, req: ChatCompletionRequest) -> list[int]:
@@ -58,9 +58,7 @@ async def create_chat_completion(req: ChatCompletionRequest, http_request: Reque
 async def _stream(req, state, request_id, prompt, outputs, admission):
     tokenizer = state.client.tokenizer
     k = req.top_logprobs or 0
-    sent_text: dict[int, int] = {}
-    sent_tokens: dict[int, int] = {}
-    completion_tokens = 0
+    cursor = StreamCursor()
 
     def chunk(choice):
         return sse_event(ChatCompletionStreamResponse(id=request_id, model=state.model_name,
@@ -69,27 +67,24 @@ async def _stream(req, state, request_id, prompt, outputs, admission):
     try:
         async for out in outputs:
             for c in out.outputs:
-                if c.index not in sent_text:
-                    sent_text[c.index] = sent_tokens[c.index] = 0
+                if cursor.is_new(c.index):
                     yield chunk(ChatCompletionStreamChoice(
                         index=c.index, delta=DeltaMessage(role="assistant", content="")))
-                start, tok_start = sent_text[c.index], sent_tokens[c.index]
-                if len(c.text) == start and c.finish_reason is None:
+                new = cursor.advance(c.index, c)
+                if new is None:
                     continue
+                text, first_token = new
                 logprobs = None
                 if req.logprobs:
                     logprobs = ChatChoiceLogprobs(content=chat_logprobs(
-                        tokenizer, c.token_ids[tok_start:], c.logprobs[tok_start:], k))
-                sent_text[c.index], sent_tokens[c.index] = len(c.text), len(c.token_ids)
+                        tokenizer, c.token_ids[first_token:], c.logprobs[first_token:], k))
                 yield chunk(ChatCompletionStreamChoice(
-                    index=c.index, delta=DeltaMessage(content=c.text[start:]),
+                    index=c.index, delta=DeltaMessage(content=text),
                     logprobs=logprobs, finish_reason=c.finish_reason))
-                if c.finish_reason is not None:
-                    completion_tokens += len(c.token_ids)
         if req.include_usage:
             yield sse_event(ChatCompletionStreamResponse(
                 id=request_id, model=state.model_name, choices=[],
-                usage=Usage.of(len(prompt), completion_tokens)))
+                usage=Usage.of(len(prompt), cursor.completion_tokens)))
         yield sse_done()
     finally:
         await outputs.aclose()

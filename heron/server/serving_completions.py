@@ -15,7 +15,7 @@ from heron.server.protocol import CompletionRequest
 from heron.server.responses import (CompletionChoice, CompletionResponse,
                                     CompletionStreamResponse, Usage, random_id)
 from heron.server.request_runner import check_length, run_to_completion, stream_outputs
-from heron.server.sse import sse_event, sse_done
+from heron.server.sse import StreamCursor, sse_done, sse_event
 
 
 async def create_completion(req: CompletionRequest, http_request: Request, state):
@@ -91,21 +91,14 @@ async def _merge(streams: list[AsyncIterator[RequestOutput]]):
 
 
 async def _stream(req, state, base_id, prompts, streams, admission):
-    sent_text: dict[tuple[int, int], int] = {}
-    sent_tokens: dict[tuple[int, int], int] = {}
-    completion_tokens = 0
-    finished: set[tuple[int, int]] = set()
+    cursor = StreamCursor()
     try:
         async with contextlib.aclosing(_merge(streams)) as merged:
             async for i, out in merged:
-                for chunk in _chunks(req, state, base_id, i, out, sent_text, sent_tokens):
+                for chunk in _chunks(req, state, base_id, i, out, cursor):
                     yield chunk
-                completion_tokens += sum(len(c.token_ids) for c in out.outputs
-                                         if c.finish_reason is not None
-                                         and (i, c.index) not in finished)
-                finished.update((i, c.index) for c in out.outputs if c.finish_reason)
         if req.include_usage:
-            usage = Usage.of(sum(len(p) for p in prompts), completion_tokens)
+            usage = Usage.of(sum(len(p) for p in prompts), cursor.completion_tokens)
             yield sse_event(CompletionStreamResponse(id=base_id, model=state.model_name,
                                                      choices=[], usage=usage))
         yield sse_done()
@@ -113,25 +106,25 @@ async def _stream(req, state, base_id, prompts, streams, admission):
         admission.release()
 
 
-def _chunks(req, state, base_id, i, out, sent_text, sent_tokens):
+def _chunks(req, state, base_id, i, out, cursor: StreamCursor):
     """SSE events for what ``out`` adds beyond what was sent (per prompt i, completion index)."""
     tokenizer = state.client.tokenizer
     n = len(out.outputs)
     for comp in out.outputs:
         key = (i, comp.index)
-        if key not in sent_text and req.echo:
+        if cursor.is_new(key) and req.echo:
             yield sse_event(_chunk(base_id, state, i * n + comp.index,
                                    tokenizer.decode(out.prompt_token_ids), None))
-        text, start = comp.text, sent_text.get(key, 0)
-        tok_start = sent_tokens.get(key, 0)
-        if len(text) == start and comp.finish_reason is None:
+        offset = cursor.text.get(key, 0)
+        new = cursor.advance(key, comp)
+        if new is None:
             continue
+        text, first_token = new
         logprobs = None
         if req.logprobs is not None:
-            logprobs = completion_logprobs(tokenizer, comp.token_ids[tok_start:],
-                                           comp.logprobs[tok_start:], req.logprobs, start)
-        sent_text[key], sent_tokens[key] = len(text), len(comp.token_ids)
-        yield sse_event(_chunk(base_id, state, i * n + comp.index, text[start:],
+            logprobs = completion_logprobs(tokenizer, comp.token_ids[first_token:],
+                                           comp.logprobs[first_token:], req.logprobs, offset)
+        yield sse_event(_chunk(base_id, state, i * n + comp.index, text,
                                comp.finish_reason, logprobs, comp.stop_reason))
 
 
