@@ -93,7 +93,7 @@ class ModelRunner:
         prompt_lp_rows: dict[int, list[int]] = {}
         for idx, s in enumerate(scheduled):
             req, start, n = s.request, s.request.num_computed_tokens, s.num_tokens
-            tokens = req.all_token_ids()[start:start + n]
+            tokens = req.token_ids_between(start, start + n)
             input_ids.extend(tokens)
             positions.extend(range(start, start + n))
             query_lens.append(n)
