@@ -38,6 +38,7 @@ class CacheConfig:
     num_blocks: int | None = None
     max_memory_gb: float | None = None
     memory_fraction: float = 0.5
+    enable_prefix_caching: bool = True  # reuse the KV of cached prompt prefixes (radix tree)
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -61,8 +62,16 @@ class SchedulerConfig:
     # New prefills are admitted only while this fraction of KV blocks stays free after their
     # allocation, so running decodes keep room to grow (load shedding near a full cache).
     kv_watermark: float = 0.01
+    # Admission order of waiting requests: "fcfs", or "lpm" (longest cached prefix first; a
+    # request overtaken max_overtakes times goes first regardless).
+    policy: str = "fcfs"
+    max_overtakes: int = 32
 
     def __post_init__(self) -> None:
+        if self.policy not in ("fcfs", "lpm"):
+            raise ValueError(f"scheduling policy must be 'fcfs' or 'lpm', got {self.policy!r}")
+        if self.max_overtakes < 0:
+            raise ValueError("max_overtakes must be >= 0")
         if self.max_num_batched_tokens < 1:
             raise ValueError("max_num_batched_tokens must be >= 1")
         if self.max_num_seqs < 1:
@@ -83,9 +92,14 @@ class EngineConfig:
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     num_threads: int | None = None
+    load_format: str = "auto"  # "auto": weights from the model files; "dummy": random weights
+    enforce_eager: bool = False  # True: never capture CUDA graphs
+    kv_events_endpoint: str | None = None  # ZMQ PUB address for prefix-cache events (serve)
 
     def __post_init__(self) -> None:
         parse_dtype(self.dtype)
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
 

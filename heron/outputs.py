@@ -35,3 +35,4 @@ class RequestOutput:
     finished: bool = False
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     metrics: dict = field(default_factory=dict)
+    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache

@@ -64,7 +64,7 @@ def test_bad_prompts_rejected_while_serving(smollm2):
             break
     assert [o.request_id for o in finals] == ["good"]
     assert len(finals[0].outputs[0].token_ids) == 12
-    assert engine.kv_cache.pool.num_free_blocks == engine.kv_cache.num_blocks
+    assert engine.kv_cache.num_free_blocks == engine.kv_cache.num_blocks
 
 
 def test_one_bad_prompt_in_a_batch_queues_nothing(smollm2):
@@ -80,10 +80,10 @@ def test_abort_frees_blocks(smollm2):
     engine.add_request("to-abort", "Tell me a long story.", SamplingParams(max_tokens=50, n=2,
                                                                        ignore_eos=True))
     engine.step()
-    assert engine.kv_cache.pool.num_free_blocks < engine.kv_cache.num_blocks
+    assert engine.kv_cache.num_free_blocks < engine.kv_cache.num_blocks
     out = engine.abort_request("to-abort")
     assert all(o.finish_reason == "abort" for o in out.outputs)
-    assert engine.kv_cache.pool.num_free_blocks == engine.kv_cache.num_blocks
+    assert engine.kv_cache.num_free_blocks == engine.kv_cache.num_blocks
     assert not engine.has_unfinished_requests()
 
 

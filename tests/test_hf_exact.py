@@ -62,7 +62,7 @@ def test_greedy_and_logprobs_match_hf(tiny, setting):
     if setting == "chunked+preempt":
         assert llm.engine.scheduler.stats.num_preemptions > 0
         assert any(chunks and decodes for chunks, decodes in mixes), "no mixed step happened"
-    assert llm.engine.kv_cache.pool.num_free_blocks == llm.engine.kv_cache.num_blocks
+    assert llm.engine.kv_cache.num_free_blocks == llm.engine.kv_cache.num_blocks
 
 
 def test_prompt_logprobs_match_hf(tiny):

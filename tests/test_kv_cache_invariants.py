@@ -425,16 +425,22 @@ def test_block_pool_double_release_asserts():
     assert pool.num_free_blocks == 4 and sorted(pool._free) == [0, 1, 2, 3]
 
 
-def test_block_pool_share_and_take_limits():
+def test_block_pool_retain_and_take_limits():
     pool = BlockPool(3)
     blocks = pool.take(2)
-    pool.share(blocks[0])
-    pool.release(blocks[0])
+    pool.retain(blocks[0])
+    assert pool.release(blocks[0]) is False
     assert pool.ref_counts[blocks[0]] == 1 and pool.num_free_blocks == 1
-    pool.release(blocks[0])
+    assert pool.release(blocks[0]) is True
     assert pool.num_free_blocks == 2
-    with pytest.raises(AssertionError):
-        pool.share(blocks[0])  # free now
+    # a cached block keeps out of the free list until the cache frees it
+    assert pool.release(blocks[1], cached=True) is True
+    assert pool.num_free_blocks == 2
+    pool.free_block(blocks[1])
+    assert pool.num_free_blocks == 3
+    blocks = pool.take(1)
+    with pytest.raises(AssertionError, match="in use"):
+        pool.free_block(blocks[0])
     with pytest.raises(RuntimeError):
         pool.take(3)
     assert pool.num_free_blocks == 2

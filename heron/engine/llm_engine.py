@@ -15,7 +15,7 @@ from heron.engine.output_processor import RequestGroup
 from heron.engine.request import Request, RequestStatus
 from heron.engine.scheduler import Scheduler, SchedulerOutput
 from heron.loader.model_source import load_tokenizer, resolve_model
-from heron.loader.weights import build_model, load_weights, optimize_layout
+from heron.loader.weights import build_model, materialize_weights, optimize_layout
 from heron.models import ModelArchConfig, get_model_class
 from heron.models.config import architecture_of
 from heron.outputs import RequestOutput
@@ -41,14 +41,14 @@ class LLMEngine:
         started = time.monotonic()
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
-        source = resolve_model(config.model)
+        source = resolve_model(config.model, config.load_format)
         get_model_class(architecture_of(source.hf_config))  # unsupported: fail before parsing
         self.arch = ModelArchConfig.from_hf(source.hf_config)
         self.model_name = source.name
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         dtype = config.torch_dtype
         model = build_model(self.arch, dtype, self.device)
-        load_weights(model, source.weights(), dtype)
+        materialize_weights(model, source, config.load_format, dtype, config.seed)
         optimize_layout(model, self.device)
         self.tokenizer_dir = source.tokenizer_dir  # where another process can load it from
         self.tokenizer = load_tokenizer(source.tokenizer_dir)
@@ -58,7 +58,8 @@ class LLMEngine:
         blocks = num_kv_blocks(self.arch, config.cache, dtype, self.device,
                                config.scheduler.max_num_seqs * self.max_model_len)
         self._fit_max_model_len(blocks * block_size)
-        self.kv_cache = KVCacheManager(blocks, block_size)
+        self.kv_cache = KVCacheManager(blocks, block_size, config.cache.enable_prefix_caching,
+                                       record_events=config.kv_events_endpoint is not None)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache)
         self.runner = ModelRunner(model, blocks, block_size, dtype, self.device,
                                   config.attention_backend, config.seed)
@@ -101,10 +102,11 @@ class LLMEngine:
                              f"{bad[:5]}")
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                    arrival_time: float | None = None) -> None:
+                    arrival_time: float | None = None, cache_salt: str | None = None) -> None:
         """Validate and queue; raises ValueError (queueing nothing) for bad input.
 
         ``arrival_time`` (time.monotonic) defaults to now; a server passes its own receipt time.
+        Requests share cached prefixes only with requests of the same ``cache_salt``.
         """
         if request_id in self.groups:
             raise ValueError(f"duplicate request id {request_id!r}")
@@ -114,8 +116,9 @@ class LLMEngine:
         max_tokens = min(params.max_tokens or room, room)
         children = [self._child(request_id, i, token_ids, params, max_tokens)
                     for i in range(params.n)]
-        if arrival_time is not None:
-            for child in children:
+        for child in children:
+            child.cache_salt = cache_salt
+            if arrival_time is not None:
                 child.arrival_time = arrival_time
         detoks = [self._detokenizer(token_ids, params) for _ in children]
         self.groups[request_id] = RequestGroup(
@@ -149,6 +152,17 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.groups)
+
+    def reset_prefix_cache(self) -> int:
+        """Free every cached KV block no request is using; returns how many were freed."""
+        freed = self.kv_cache.reset_prefix_cache()
+        logger.info("prefix cache reset: %d blocks freed", freed)
+        return freed
+
+    def take_kv_events(self) -> list:
+        """KV events (blocks stored / removed) since the last call; empty unless recorded."""
+        cache = self.kv_cache.prefix_cache
+        return cache.take_events() if cache is not None else []
 
     # ---- the step ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -209,11 +223,17 @@ class LLMEngine:
 
     # ---- introspection -------------------------------------------------------------------
     def stats(self) -> dict:
+        cache = self.kv_cache.prefix_cache
         return {
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
             "kv_cache_usage": self.kv_cache.usage,
-            "num_free_blocks": self.kv_cache.pool.num_free_blocks,
+            "num_free_blocks": self.kv_cache.num_free_blocks,
             "num_blocks": self.kv_cache.num_blocks,
             "num_preemptions": self.scheduler.stats.num_preemptions,
+            "num_prefill_tokens": self.scheduler.stats.num_prefill_tokens,
+            "prefix_cache_enabled": cache is not None,
+            "prefix_cache_queries": cache.stats.queries if cache else 0,
+            "prefix_cache_hits": cache.stats.hits if cache else 0,
+            "num_cached_blocks": len(cache) if cache else 0,
         }

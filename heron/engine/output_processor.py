@@ -60,6 +60,7 @@ class RequestGroup:
             prompt_logprobs=(list(first.prompt_logprobs)
                              if first.params.prompt_logprobs is not None else None),
             metrics=_metrics(self.children),
+            num_cached_tokens=first.num_cached_tokens or 0,
         )
 
 

@@ -51,6 +51,13 @@ class Request:
     logprobs: list[PositionLogprobs] = field(default_factory=list)
     prompt_logprobs: list[PositionLogprobs | None] = field(default_factory=list)
     num_preemptions: int = 0
+    # prefix cache: a salt isolates tenants; block_ids[:num_cached_blocks] are in the tree,
+    # the last of them at last_cached_node; num_cached_tokens is the hit at first admission
+    cache_salt: str | None = None
+    num_cached_blocks: int = 0
+    last_cached_node: object | None = field(default=None, repr=False)
+    num_cached_tokens: int | None = None
+    num_overtakes: int = 0  # times a younger request was admitted first (policy fairness)
     scheduled_time: float | None = None  # first time the scheduler gave it tokens
     first_token_time: float | None = None
     finish_time: float | None = None

@@ -2,21 +2,32 @@
 
 Every step has a budget of ``max_num_batched_tokens``. Running requests are served first
 (a decode needs 1 token, an unfinished prefill the rest of its prompt, chunked to the budget),
-then waiting requests are admitted in FCFS order while budget, sequence slots and KV blocks
-last. Prefill, chunked prefill and decode are the same rule: ``num_computed_tokens`` catches
-up with ``num_tokens``. When the pool runs dry the youngest running request is preempted
-(its blocks freed, its progress reset) and goes back to the front of the waiting queue.
+then waiting requests are admitted in policy order (FCFS, or longest cached prefix first with
+a fairness cap) while budget, sequence slots and KV blocks last. Prefill, chunked prefill,
+prefix-cache hits and decode are the same rule: ``num_computed_tokens`` catches up with
+``num_tokens`` (a hit starts it at the cached length). When the pool runs dry the youngest
+running request is preempted (its blocks released, its progress reset) and goes back to the
+front of the waiting queue.
+
+A waiting request whose next uncached block is being computed right now by a running prefill
+(``n > 1`` siblings, users sharing a system prompt) is deferred a step, so it reuses that
+block instead of computing it again.
 """
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Iterator
 
 from heron.config import SchedulerConfig
 from heron.engine.kv_cache import KVCacheManager
+from heron.engine.prefix_cache import CacheNode
 from heron.engine.request import Request, RequestStatus
+
+LPM_WINDOW = 128  # longest-prefix-match ranks at most this many waiting requests per step
 
 
 @dataclass
@@ -48,6 +59,7 @@ class SchedulerOutput:
 class SchedulerStats:
     num_preemptions: int = 0
     num_steps: int = 0
+    num_prefill_tokens: int = 0  # prompt (and recomputed) tokens scheduled for computation
 
 
 class Scheduler:
@@ -110,28 +122,71 @@ class Scheduler:
         return budget
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            request = self.waiting[0]
-            num_tokens = min(request.num_tokens - request.num_computed_tokens, budget)
-            if self._below_watermark(request, num_tokens) or \
-                    self.kv_cache.allocate(request, num_tokens) is None:
-                break  # FCFS: the head waits for blocks, nobody overtakes it
-            self.waiting.popleft()
-            if request.scheduled_time is None:
-                request.scheduled_time = time.monotonic()
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
+        in_flight = self._blocks_in_flight()
+        for request, hit in self._waiting_in_order():
+            if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+                break
+            next_block = self.kv_cache.uncached_block_hash(request, hit)
+            if next_block is not None and next_block in in_flight:
+                continue  # a running prefill is computing this block: reuse it next step
+            num_cached = len(hit) * self.kv_cache.block_size
+            num_tokens = min(request.num_tokens - num_cached, budget)
+            if self._below_watermark(request, num_tokens, hit) or \
+                    self.kv_cache.allocate(request, num_tokens, hit) is None:
+                break  # the head waits for blocks, nobody overtakes it
+            self._admit(request, num_cached)
             out.scheduled.append(ScheduledRequest(request, num_tokens))
             budget -= num_tokens
+            in_flight.add(self.kv_cache.uncached_block_hash(request))
 
-    def _below_watermark(self, request: Request, num_tokens: int) -> bool:
+    def _waiting_in_order(self) -> Iterator[tuple[Request, list[CacheNode]]]:
+        """Waiting requests in admission order, each with its prefix-cache hit."""
+        if self.config.policy == "fcfs" or self.kv_cache.prefix_cache is None:
+            for request in list(self.waiting):
+                yield request, self.kv_cache.lookup(request)
+            return
+        window = list(itertools.islice(self.waiting, LPM_WINDOW))
+        hits = [self.kv_cache.lookup(r) for r in window]
+
+        def rank(i: int) -> tuple[int, int, int]:
+            if window[i].num_overtakes >= self.config.max_overtakes:
+                return (0, 0, i)  # overtaken too often: goes first, in arrival order
+            return (1, -len(hits[i]), i)  # then longest cached prefix first
+
+        for i in sorted(range(len(window)), key=rank):
+            # look up again: admitting the previous candidate may have evicted blocks
+            yield window[i], self.kv_cache.lookup(window[i])
+
+    def _admit(self, request: Request, num_cached: int) -> None:
+        for older in self.waiting:
+            if older is request:
+                break
+            older.num_overtakes += 1
+        self.waiting.remove(request)
+        request.num_computed_tokens = num_cached
+        if request.num_cached_tokens is None:
+            request.num_cached_tokens = num_cached
+        if self.kv_cache.prefix_cache is not None:
+            self.kv_cache.prefix_cache.stats.queries += request.num_tokens
+            self.kv_cache.prefix_cache.stats.hits += num_cached
+        if request.scheduled_time is None:
+            request.scheduled_time = time.monotonic()
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+
+    def _blocks_in_flight(self) -> set[int | None]:
+        """Hashes of the blocks that running prefills will cache next."""
+        return {self.kv_cache.uncached_block_hash(r) for r in self.running
+                if r.num_computed_tokens < r.num_tokens - 1}
+
+    def _below_watermark(self, request: Request, num_tokens: int, hit: list[CacheNode]) -> bool:
         """Admitting ``request`` would leave fewer free blocks than the watermark, while
         others are running (an idle engine always admits, so nothing waits forever)."""
         if not self.running:
             return False
         watermark = int(self.config.kv_watermark * self.kv_cache.num_blocks)
-        needed = self.kv_cache.num_new_blocks(request, num_tokens)
-        return self.kv_cache.pool.num_free_blocks - needed < watermark
+        needed = self.kv_cache.blocks_to_admit(request, num_tokens, hit)
+        return self.kv_cache.num_free_blocks - needed < watermark
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         """Recompute-style preemption: drop the KV, keep the tokens, requeue at the front."""
@@ -145,6 +200,12 @@ class Scheduler:
         out.preempted.append(request)
 
     def update_after_step(self, out: SchedulerOutput) -> None:
-        """Advance progress of every scheduled request by the tokens it computed."""
+        """Advance progress of every scheduled request by the tokens it computed, and offer
+        its newly full blocks to the prefix cache."""
         for s in out.scheduled:
-            s.request.num_computed_tokens += s.num_tokens
+            request = s.request
+            if request.num_output_tokens == 0 or \
+                    request.num_computed_tokens < request.num_tokens - 1:
+                self.stats.num_prefill_tokens += s.num_tokens  # prompt, or recompute
+            request.num_computed_tokens += s.num_tokens
+            self.kv_cache.cache_full_blocks(request)

@@ -1,0 +1,186 @@
+"""Radix tree over full KV blocks: reuse the KV of a cached prefix across requests.
+
+Each node below a root is one full block of ``block_size`` token ids and the pool block that
+holds their KV, computed after exactly the token path from the root (children are keyed by
+the tuple of their block's tokens, so edges are page-aligned). One root per cache salt keeps
+tenants apart. A node's ``block_hash`` chains its parent's hash, the salt and its tokens, so
+anyone who knows the token ids can name a block (the KV events a router consumes).
+
+Ownership: the pool's ref count of a block counts the *requests* using it; the tree holds no
+reference. A cached block with ref count 0 is "cached-free": reusable by the next match, and
+reclaimable by eviction. Eviction takes unreferenced leaves in LRU order (a logical clock,
+bumped when a block is matched or released). Invariant: the ancestors of a referenced node are
+referenced (a request uses its whole path), so unreferenced nodes form whole subtrees at the
+fringe and leaf-first eviction can reclaim every one of them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+import itertools
+from dataclasses import dataclass, field
+
+from heron.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+
+BlockKey = tuple[int, ...]
+
+
+def chain_hash(parent_hash: int, tokens: BlockKey) -> int:
+    """The hash of a block: its parent's hash and its token ids (a stable 64-bit digest)."""
+    data = parent_hash.to_bytes(8, "little") + b"".join(t.to_bytes(4, "little") for t in tokens)
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
+
+
+def root_hash(salt: str | None) -> int:
+    """The hash a salt's chain starts from (0 without a salt)."""
+    if salt is None:
+        return 0
+    return int.from_bytes(hashlib.blake2b(salt.encode(), digest_size=8).digest(), "little")
+
+
+def block_hashes(token_ids: list[int], block_size: int, salt: str | None = None) -> list[int]:
+    """Hashes of the full blocks of ``token_ids``, as the cache names them in KV events."""
+    hashes, parent = [], root_hash(salt)
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        parent = chain_hash(parent, tuple(token_ids[start:start + block_size]))
+        hashes.append(parent)
+    return hashes
+
+
+@dataclass(eq=False)
+class CacheNode:
+    """One cached full block (or a root: ``block_id == -1``, no tokens)."""
+
+    tokens: BlockKey
+    block_id: int
+    block_hash: int
+    parent: CacheNode | None = None
+    children: dict[BlockKey, CacheNode] = field(default_factory=dict)
+    last_access: int = 0
+
+    @property
+    def is_root(self) -> bool:
+        return self.parent is None
+
+
+@dataclass
+class PrefixCacheStats:
+    queries: int = 0  # prompt tokens looked up at admission
+    hits: int = 0  # of those, tokens found in the cache
+
+
+class PrefixCache:
+    """The tree, its LRU eviction order and its event log. Works on a ``BlockPool``."""
+
+    def __init__(self, pool, block_size: int, record_events: bool = False) -> None:
+        self.pool = pool
+        self.block_size = block_size
+        self.roots: dict[str | None, CacheNode] = {}
+        self.nodes: dict[int, CacheNode] = {}  # block id -> node
+        self.num_unreferenced = 0  # cached-free blocks (ref count 0)
+        self._evictable: list[tuple[int, int]] = []  # heap of (last_access, block id), lazy
+        self._clock = itertools.count(1)
+        self.record_events = record_events
+        self.events: list[KVEvent] = []
+        self.stats = PrefixCacheStats()
+
+    def __len__(self) -> int:
+        return len(self.nodes)
+
+    def holds(self, block_id: int) -> bool:
+        return block_id in self.nodes
+
+    def root(self, salt: str | None) -> CacheNode:
+        if salt not in self.roots:
+            self.roots[salt] = CacheNode((), -1, root_hash(salt))
+        return self.roots[salt]
+
+    # ---- lookup --------------------------------------------------------------------------
+    def match(self, token_ids: list[int], salt: str | None, max_blocks: int) -> list[CacheNode]:
+        """The nodes of the longest cached prefix of ``token_ids``, at most ``max_blocks``.
+
+        Read-only: nothing is referenced until ``acquire``.
+        """
+        node, path, bs = self.root(salt), [], self.block_size
+        for i in range(max_blocks):
+            node = node.children.get(tuple(token_ids[i * bs:(i + 1) * bs]))
+            if node is None:
+                break
+            path.append(node)
+        return path
+
+    def acquire(self, nodes: list[CacheNode]) -> None:
+        """Add one request reference to each node's block."""
+        now = next(self._clock)
+        for node in nodes:
+            if self.pool.ref_counts[node.block_id] == 0:
+                self.num_unreferenced -= 1
+            self.pool.retain(node.block_id)
+            node.last_access = now
+
+    # ---- insertion -----------------------------------------------------------------------
+    def insert(self, parent: CacheNode, tokens: BlockKey, block_id: int) -> CacheNode:
+        """Cache ``block_id`` (holding ``tokens``, referenced by its writer) under ``parent``.
+
+        If an identical block is already cached there, returns that node instead and caches
+        nothing: the caller switches to the cached block and releases its own copy.
+        """
+        node = parent.children.get(tokens)
+        if node is not None:
+            return node
+        node = CacheNode(tokens, block_id, chain_hash(parent.block_hash, tokens), parent,
+                         last_access=next(self._clock))
+        parent.children[tokens] = node
+        self.nodes[block_id] = node
+        if self.record_events:
+            parent_hash = None if parent.is_root else parent.block_hash
+            self.events.append(BlockStored([node.block_hash], parent_hash, list(tokens),
+                                           self.block_size))
+        return node
+
+    def mark_unreferenced(self, block_id: int) -> None:
+        """The last request using this cached block let it go: it becomes cached-free."""
+        node = self.nodes[block_id]
+        self.num_unreferenced += 1
+        node.last_access = next(self._clock)
+        if not node.children:
+            heapq.heappush(self._evictable, (node.last_access, block_id))
+
+    # ---- eviction ------------------------------------------------------------------------
+    def evict(self, num_blocks: int) -> int:
+        """Return up to ``num_blocks`` unreferenced blocks to the pool, least recently used
+        leaves first; returns how many were freed."""
+        freed = 0
+        while freed < num_blocks and self._evictable:
+            stamp, block_id = heapq.heappop(self._evictable)
+            node = self.nodes.get(block_id)
+            if node is None or node.last_access != stamp or node.children \
+                    or self.pool.ref_counts[block_id] > 0:
+                continue  # stale entry: re-used, re-stamped, evicted or no longer a leaf
+            self._remove(node)
+            freed += 1
+        return freed
+
+    def _remove(self, node: CacheNode) -> None:
+        parent = node.parent
+        del parent.children[node.tokens]
+        del self.nodes[node.block_id]
+        self.num_unreferenced -= 1
+        self.pool.free_block(node.block_id)
+        if self.record_events:
+            self.events.append(BlockRemoved([node.block_hash]))
+        if not parent.is_root and not parent.children \
+                and self.pool.ref_counts[parent.block_id] == 0:
+            heapq.heappush(self._evictable, (parent.last_access, parent.block_id))
+
+    def reset(self) -> int:
+        """Evict every unreferenced block; referenced ones stay cached. Returns the count."""
+        freed = self.evict(self.num_unreferenced)
+        if self.record_events and not self.nodes:
+            self.events.append(AllBlocksCleared())
+        return freed
+
+    def take_events(self) -> list[KVEvent]:
+        events, self.events = self.events, []
+        return events
