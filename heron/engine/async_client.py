@@ -46,6 +46,7 @@ class _Stream:
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     prompt_logprobs: list | None = None
     metrics: dict = field(default_factory=dict)
+    num_cached_tokens: int = 0
 
     def apply(self, delta: m.OutputDelta) -> None:
         comp = self.completions[delta.index]
@@ -55,6 +56,8 @@ class _Stream:
             comp.logprobs.extend(m.decode_logprobs(p) for p in delta.new_logprobs)
         if delta.finish_reason is not None:
             comp.finish_reason, comp.stop_reason = delta.finish_reason, delta.stop_reason
+        if delta.num_cached_tokens:
+            self.num_cached_tokens = delta.num_cached_tokens
         if delta.prompt_logprobs is not None:
             self.prompt_logprobs = [m.decode_logprobs(p) for p in delta.prompt_logprobs]
         for key in ("arrival_time", "scheduled_time", "first_token_time",
@@ -70,7 +73,8 @@ class _Stream:
                                  c.finish_reason, c.stop_reason) for c in self.completions]
         return RequestOutput(request_id, None, self.prompt_token_ids, outs,
                              finished=all(c.finished for c in outs),
-                             prompt_logprobs=self.prompt_logprobs, metrics=dict(self.metrics))
+                             prompt_logprobs=self.prompt_logprobs, metrics=dict(self.metrics),
+                             num_cached_tokens=self.num_cached_tokens)
 
 
 class AsyncEngineClient:
@@ -158,8 +162,10 @@ class AsyncEngineClient:
 
     # ---- requests ------------------------------------------------------------------------
     async def generate(self, request_id: str, prompt_token_ids: list[int],
-                       params: SamplingParams) -> AsyncIterator[RequestOutput]:
+                       params: SamplingParams, cache_salt: str | None = None
+                       ) -> AsyncIterator[RequestOutput]:
         """Yield cumulative outputs as they progress; the last has ``finished=True``.
+        Requests share cached prefixes only with requests of the same ``cache_salt``.
 
         Raises ValueError if the engine rejects the request, EngineDeadError if the core dies.
         Closing the generator (or cancelling its consumer) before the end aborts the request.
@@ -175,7 +181,7 @@ class AsyncEngineClient:
         finished = False
         try:
             self._send(m.AddRequest(request_id, stream.prompt_token_ids,
-                                    m.params_to_dict(params), time.monotonic()))
+                                    m.params_to_dict(params), time.monotonic(), cache_salt))
             while not finished:
                 self._apply(stream, await stream.queue.get())
                 while not stream.queue.empty():  # coalesce what a slow consumer missed
@@ -196,6 +202,10 @@ class AsyncEngineClient:
             raise item
         for delta in item:
             stream.apply(delta)
+
+    def reset_prefix_cache(self) -> None:
+        """Free the cached KV blocks no request uses; takes effect before any later request."""
+        self._send(m.ResetPrefixCache())
 
     async def abort(self, request_id: str) -> None:
         """Abort a request; its ``generate`` then ends with finish_reason "abort"."""

@@ -21,6 +21,7 @@ import zmq
 from heron.config import EngineConfig
 from heron.engine import messages as m
 from heron.engine.detokenizer import stream_safe_end
+from heron.engine.kv_events import KVEventPublisher
 from heron.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
@@ -49,8 +50,10 @@ def _metrics_fields(out: RequestOutput) -> dict:
 class EngineCore:
     """Owns the engine and both sockets; ``run()`` returns when it should exit."""
 
-    def __init__(self, engine, in_sock: zmq.Socket, out_sock: zmq.Socket, parent_pid: int):
+    def __init__(self, engine, in_sock: zmq.Socket, out_sock: zmq.Socket, parent_pid: int,
+                 kv_events: KVEventPublisher | None = None):
         self.engine = engine
+        self.kv_events = kv_events
         self.in_sock, self.out_sock = in_sock, out_sock
         self.parent_pid = parent_pid
         self.decoder = msgspec.msgpack.Decoder(m.InputMsg)
@@ -67,6 +70,8 @@ class EngineCore:
                 return
             if self.engine.has_unfinished_requests():
                 deltas += [d for out in self.engine.step() for d in self._deltas(out)]
+            if self.kv_events is not None:
+                self.kv_events.publish(self.engine.take_kv_events())
             if deltas or changed or time.monotonic() - self.last_send >= STATS_INTERVAL_S:
                 self._send(m.OutputsMsg(deltas, self._stats()))
         logger.info("parent process is gone: engine core exits")
@@ -87,6 +92,8 @@ class EngineCore:
                 return False, deltas, True
             if isinstance(msg, m.AddRequest):
                 self._add(msg)
+            elif isinstance(msg, m.ResetPrefixCache):
+                self.engine.reset_prefix_cache()
             else:
                 for request_id in msg.request_ids:
                     deltas += self._abort(request_id)
@@ -96,7 +103,7 @@ class EngineCore:
             params = m.params_from_dict(msg.params)
             # time in queue counts from the API side's receipt
             self.engine.add_request(msg.request_id, msg.prompt_token_ids, params,
-                                    arrival_time=msg.arrival_time)
+                                    arrival_time=msg.arrival_time, cache_salt=msg.cache_salt)
         except Exception as exc:  # ValueError for bad input; anything else is logged too
             if not isinstance(exc, ValueError):
                 logger.exception("add_request %s failed", msg.request_id)
@@ -120,6 +127,7 @@ class EngineCore:
         if deltas and sent.first:
             sent.first = False
             deltas[0].num_prompt_tokens = len(out.prompt_token_ids)
+            deltas[0].num_cached_tokens = out.num_cached_tokens
             if out.prompt_logprobs is not None:
                 deltas[0].prompt_logprobs = [m.encode_logprobs(p) for p in out.prompt_logprobs]
         if out.finished:
@@ -156,7 +164,11 @@ class EngineCore:
             num_blocks=s["num_blocks"], num_preemptions=s["num_preemptions"],
             num_prompt_tokens_total=c["prompt"], num_generation_tokens_total=c["generation"],
             num_requests_finished_total=c["finished"],
-            num_requests_rejected_total=c["rejected"], timestamp=time.monotonic())
+            num_requests_rejected_total=c["rejected"], timestamp=time.monotonic(),
+            prefix_cache_queries_total=s["prefix_cache_queries"],
+            prefix_cache_hits_total=s["prefix_cache_hits"],
+            num_cached_blocks=s["num_cached_blocks"],
+            num_prefill_tokens_total=s["num_prefill_tokens"])
 
     def _send(self, msg) -> None:
         self.out_sock.send(self.encoder.encode(msg), zmq.NOBLOCK)
@@ -194,12 +206,16 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str) -> 
     in_sock = _connect(ctx, zmq.PULL, input_addr)
     out_sock = _connect(ctx, zmq.PUSH, output_addr)
     encoder = msgspec.msgpack.Encoder()
+    kv_events = None
     try:
         from heron.engine.llm_engine import LLMEngine
 
         engine = LLMEngine(config)
+        if config.kv_events_endpoint:
+            kv_events = KVEventPublisher(config.kv_events_endpoint)
+            logger.info("publishing KV events on %s", config.kv_events_endpoint)
         out_sock.send(encoder.encode(_ready(engine)))
-        EngineCore(engine, in_sock, out_sock, parent_pid).run()
+        EngineCore(engine, in_sock, out_sock, parent_pid, kv_events).run()
     except Exception as exc:
         logger.exception("engine core failed")
         detail = "".join(traceback.format_exception_only(type(exc), exc)).strip()
@@ -209,6 +225,8 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str) -> 
             pass
         raise SystemExit(1) from exc
     finally:
+        if kv_events is not None:
+            kv_events.close()
         in_sock.close()
         out_sock.close()
         ctx.term()

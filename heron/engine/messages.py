@@ -2,7 +2,8 @@
 
 Two one-way ZMQ channels, both bound by the API side:
 
-* input  (API -> core, PUSH/PULL): ``AddRequest``, ``Abort``, ``Shutdown``.
+* input  (API -> core, PUSH/PULL): ``AddRequest``, ``Abort``, ``ResetPrefixCache``,
+  ``Shutdown``.
 * output (core -> API, PUSH/PULL): ``ReadyMsg`` once, then ``OutputsMsg`` per step (and at
   least every ~0.5 s while idle, for fresh stats), ``ErrorMsg`` for rejected requests
   (``request_id`` set) or a fatal core error (``request_id`` None; the core then exits).
@@ -31,17 +32,22 @@ class AddRequest(msgspec.Struct, tag=True):
     prompt_token_ids: list[int]
     params: dict[str, Any]  # SamplingParams init fields (see params_to_dict)
     arrival_time: float  # time.monotonic() in the API process (same clock in the core)
+    cache_salt: str | None = None  # prefix-cache namespace (tenant isolation)
 
 
 class Abort(msgspec.Struct, tag=True):
     request_ids: list[str]
 
 
+class ResetPrefixCache(msgspec.Struct, tag=True):
+    """Free every cached KV block no request is using (before any later input is handled)."""
+
+
 class Shutdown(msgspec.Struct, tag=True):
     pass
 
 
-InputMsg = Union[AddRequest, Abort, Shutdown]
+InputMsg = Union[AddRequest, Abort, ResetPrefixCache, Shutdown]
 
 
 # ---- core -> API ------------------------------------------------------------------------------
@@ -69,6 +75,10 @@ class StatsMsg(msgspec.Struct, array_like=True):
     num_requests_finished_total: int = 0
     num_requests_rejected_total: int = 0
     timestamp: float = 0.0  # time.monotonic() when taken
+    prefix_cache_queries_total: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits_total: int = 0  # of those, tokens whose KV was reused
+    num_cached_blocks: int = 0  # blocks the prefix cache holds (referenced or not)
+    num_prefill_tokens_total: int = 0  # prompt (and recomputed) tokens actually computed
 
 
 class OutputDelta(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -82,6 +92,7 @@ class OutputDelta(msgspec.Struct, array_like=True, omit_defaults=True):
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None
     num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (first delta)
     prompt_logprobs: list[WireLogprobs | None] | None = None  # only on a request's first delta
     arrival_time: float | None = None
     scheduled_time: float | None = None

@@ -85,7 +85,8 @@ def _install_guards(app: FastAPI, state: ServerState) -> None:
     @app.middleware("http")
     async def guards(request: Request, call_next):
         path = request.url.path
-        if path.startswith("/v1/") or path in ("/tokenize", "/detokenize"):
+        if path.startswith("/v1/") or path in ("/tokenize", "/detokenize",
+                                               "/reset_prefix_cache"):
             key = state.settings.api_key
             if key and request.headers.get("authorization") != f"Bearer {key}":
                 return _error(401, "invalid or missing API key", "authentication_error")
@@ -134,6 +135,12 @@ def build_app(client, settings: ServerSettings) -> FastAPI:
     async def stats():
         """Engine stats as JSON (KV blocks, queues, preemptions) plus the core's pid."""
         return {**client.stats(), "engine_pid": client.pid, "engine_alive": client.is_alive()}
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache():
+        """Admin: free every cached KV block no request uses (before any later request)."""
+        client.reset_prefix_cache()
+        return {"status": "ok"}
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):

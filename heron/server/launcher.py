@@ -51,10 +51,13 @@ async def log_engine_stats(client, interval: float = STATS_INTERVAL_S) -> None:
         prompt = now["num_prompt_tokens_total"] - last["num_prompt_tokens_total"]
         gen = now["num_generation_tokens_total"] - last["num_generation_tokens_total"]
         if prompt or gen or now["num_running"] or now["num_waiting"]:
+            queries = now["prefix_cache_queries_total"] - last["prefix_cache_queries_total"]
+            hits = now["prefix_cache_hits_total"] - last["prefix_cache_hits_total"]
             logger.info("engine: prompt %.1f tok/s, generation %.1f tok/s, running %d, "
-                        "waiting %d, KV cache %.1f%%, preemptions %d", prompt / interval,
-                        gen / interval, now["num_running"], now["num_waiting"],
-                        100 * now["kv_cache_usage"], now["num_preemptions"])
+                        "waiting %d, KV cache %.1f%%, prefix-cache hit rate %.1f%%, "
+                        "preemptions %d", prompt / interval, gen / interval,
+                        now["num_running"], now["num_waiting"], 100 * now["kv_cache_usage"],
+                        100 * hits / queries if queries else 0.0, now["num_preemptions"])
         last = now
 
 

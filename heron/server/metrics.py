@@ -33,7 +33,7 @@ class ServerMetrics:
         self._clock = clock
         self._start = clock()
         self._recent: collections.deque[tuple[float, int, int]] = collections.deque()
-        self._last_preemptions: Optional[int] = None
+        self._last_totals: dict[str, int] = {}  # engine counters as last reported
         self._build()
 
     def _histogram(self, name: str, doc: str, buckets: Iterable[float] = LATENCY_BUCKETS):
@@ -64,6 +64,17 @@ class ServerMetrics:
         self.generation_tokens = Counter("heron:generation_tokens", "Tokens generated.",
                                          registry=reg)
         self.preemptions = Counter("heron:num_preemptions", "Preemptions.", registry=reg)
+        self.prefix_queries = Counter("heron:prefix_cache_queries",
+                                      "Prompt tokens looked up in the prefix cache.", registry=reg)
+        self.prefix_hits = Counter("heron:prefix_cache_hits",
+                                   "Prompt tokens whose KV came from the prefix cache.",
+                                   registry=reg)
+        self.prefix_hit_rate = Gauge("heron:prefix_cache_hit_rate",
+                                     "Prefix-cache hits / queries since the engine started.",
+                                     registry=reg)
+        self.prefill_computed = Counter("heron:prefill_tokens_computed",
+                                        "Prompt (and recomputed) tokens actually computed.",
+                                        registry=reg)
         self.success = Counter("heron:request_success", "Finished requests.",
                                ["finished_reason"], registry=reg)
         self.rejected = Counter("heron:request_rejected", "Requests refused before running.",
@@ -114,20 +125,30 @@ class ServerMetrics:
     # ------------------------------------------------------------ engine
 
     def update_engine_stats(self, stats: dict) -> None:
-        """Apply ``LLMEngine.stats()``; the cumulative ``num_preemptions`` becomes increments
-        (a value that goes down, as after an engine restart, counts from zero again)."""
+        """Apply the engine's stats; its cumulative totals become counter increments (a total
+        that goes down, as after an engine restart, counts from zero again)."""
         if "num_running" in stats:
             self.running.set(stats["num_running"])
         if "num_waiting" in stats:
             self.waiting.set(stats["num_waiting"])
         if "kv_cache_usage" in stats:
             self.kv_usage.set(stats["kv_cache_usage"])
-        total = stats.get("num_preemptions")
-        if total is not None:
-            last = self._last_preemptions
-            fresh = last is None or total < last  # first report, or the engine restarted
-            self.preemptions.inc(total if fresh else total - last)
-            self._last_preemptions = total
+        for key, counter in (("num_preemptions", self.preemptions),
+                             ("prefix_cache_queries_total", self.prefix_queries),
+                             ("prefix_cache_hits_total", self.prefix_hits),
+                             ("num_prefill_tokens_total", self.prefill_computed)):
+            self._advance(key, counter, stats.get(key))
+        queries = stats.get("prefix_cache_queries_total")
+        if queries:
+            self.prefix_hit_rate.set(stats.get("prefix_cache_hits_total", 0) / queries)
+
+    def _advance(self, key: str, counter: Counter, total: Optional[int]) -> None:
+        if total is None:
+            return
+        last = self._last_totals.get(key)
+        fresh = last is None or total < last  # first report, or the engine restarted
+        counter.inc(total if fresh else total - last)
+        self._last_totals[key] = total
 
     # ------------------------------------------------------------ cost
 

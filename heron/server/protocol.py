@@ -65,6 +65,14 @@ class _SamplingRequest(BaseModel):
     stop_token_ids: Optional[list[int]] = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    cache_salt: Optional[StrictStr] = None  # prefix-cache namespace: no sharing across salts
+
+    @field_validator("cache_salt")
+    @classmethod
+    def _non_empty_salt(cls, salt: Optional[str]) -> Optional[str]:
+        if salt is not None and not salt:
+            raise ValueError("cache_salt must be a non-empty string")
+        return salt
 
     @property
     def stop_list(self) -> list[str]:

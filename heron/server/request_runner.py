@@ -34,13 +34,14 @@ def check_length(prompt_ids: list[int], params: SamplingParams, max_model_len: i
             f"the model's context of {max_model_len} tokens", "max_tokens")
 
 
-async def stream_outputs(state, request_id: str, prompt_ids: list[int],
-                         params: SamplingParams) -> AsyncIterator[RequestOutput]:
+async def stream_outputs(state, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                         cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
     """Yield cumulative outputs; record metrics once the request ends."""
     token_times: list[float] = []
     last = None
+    gen = state.client.generate(request_id, prompt_ids, params, cache_salt)
     # aclosing: closing this generator must close the engine stream now (-> abort), not at GC
-    async with contextlib.aclosing(state.client.generate(request_id, prompt_ids, params)) as gen:
+    async with contextlib.aclosing(gen):
         async for out in gen:
             token_times.append(time.monotonic())
             last = out
@@ -63,9 +64,9 @@ def _observe(metrics, out: RequestOutput, token_times: list[float]) -> None:
         first_token=first, finish=finish, finish_reason=reason, token_times=token_times,
         queue_time=scheduled - arrival if scheduled is not None else None)
     tpot = (finish - first) / (completion - 1) if completion > 1 else 0.0
-    logger.info("request %s done: prompt=%d output=%d ttft=%.3fs tpot=%.4fs finish=%s",
-                out.request_id, len(out.prompt_token_ids), completion, first - arrival, tpot,
-                reason)
+    logger.info("request %s done: prompt=%d cached=%d output=%d ttft=%.3fs tpot=%.4fs "
+                "finish=%s", out.request_id, len(out.prompt_token_ids), out.num_cached_tokens,
+                completion, first - arrival, tpot, reason)
 
 
 async def run_to_completion(http_request: Request, outputs: AsyncIterator[RequestOutput]

@@ -34,7 +34,7 @@ async def create_chat_completion(req: ChatCompletionRequest, http_request: Reque
     check_length(prompt, params, state.client.max_model_len)
     admission = state.admit(len(prompt) * params.n)
     request_id = random_id("chatcmpl")
-    outputs = stream_outputs(state, request_id, prompt, params)
+    outputs = stream_outputs(state, request_id, prompt, params, req.cache_salt)
     if req.stream:
         return StreamingResponse(_stream(req, state, request_id, prompt, outputs, admission),
                                  media_type="text/event-stream")
@@ -50,7 +50,8 @@ async def create_chat_completion(req: ChatCompletionRequest, http_request: Reque
         logprobs=ChatChoiceLogprobs(content=chat_logprobs(tokenizer, c.token_ids, c.logprobs, k))
         if req.logprobs else None,
         finish_reason=c.finish_reason, stop_reason=c.stop_reason) for c in final.outputs]
-    usage = Usage.of(len(prompt), sum(len(c.token_ids) for c in final.outputs))
+    usage = Usage.of(len(prompt), sum(len(c.token_ids) for c in final.outputs),
+                     final.num_cached_tokens)
     return ChatCompletionResponse(id=request_id, model=state.model_name, choices=choices,
                                   usage=usage)
 
@@ -59,6 +60,7 @@ async def _stream(req, state, request_id, prompt, outputs, admission):
     tokenizer = state.client.tokenizer
     k = req.top_logprobs or 0
     cursor = StreamCursor()
+    cached_tokens = 0
 
     def chunk(choice):
         return sse_event(ChatCompletionStreamResponse(id=request_id, model=state.model_name,
@@ -66,6 +68,7 @@ async def _stream(req, state, request_id, prompt, outputs, admission):
 
     try:
         async for out in outputs:
+            cached_tokens = out.num_cached_tokens
             for c in out.outputs:
                 if cursor.is_new(c.index):
                     yield chunk(ChatCompletionStreamChoice(
@@ -84,7 +87,7 @@ async def _stream(req, state, request_id, prompt, outputs, admission):
         if req.include_usage:
             yield sse_event(ChatCompletionStreamResponse(
                 id=request_id, model=state.model_name, choices=[],
-                usage=Usage.of(len(prompt), cursor.completion_tokens)))
+                usage=Usage.of(len(prompt), cursor.completion_tokens, cached_tokens)))
         yield sse_done()
     finally:
         await outputs.aclose()

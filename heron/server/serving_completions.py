@@ -26,7 +26,7 @@ async def create_completion(req: CompletionRequest, http_request: Request, state
         check_length(ids, params, state.client.max_model_len)
     admission = state.admit(sum(len(p) for p in prompts) * params.n)
     base_id = random_id("cmpl")
-    streams = [stream_outputs(state, f"{base_id}-{i}", ids, params)
+    streams = [stream_outputs(state, f"{base_id}-{i}", ids, params, req.cache_salt)
                for i, ids in enumerate(prompts)]
     if req.stream:
         return StreamingResponse(_stream(req, state, base_id, prompts, streams, admission),
@@ -39,7 +39,8 @@ async def create_completion(req: CompletionRequest, http_request: Request, state
         return JSONResponse({}, status_code=499)  # client went away; nobody reads this
     choices = [c for i, f in enumerate(finals) for c in _choices(req, tokenizer, i, f)]
     usage = Usage.of(sum(len(p) for p in prompts),
-                     sum(len(c.token_ids) for f in finals for c in f.outputs))
+                     sum(len(c.token_ids) for f in finals for c in f.outputs),
+                     sum(f.num_cached_tokens for f in finals))
     return CompletionResponse(id=base_id, model=state.model_name, choices=choices, usage=usage)
 
 
@@ -92,13 +93,16 @@ async def _merge(streams: list[AsyncIterator[RequestOutput]]):
 
 async def _stream(req, state, base_id, prompts, streams, admission):
     cursor = StreamCursor()
+    cached_tokens: dict[int, int] = {}  # prompt index -> its prefix-cache hit
     try:
         async with contextlib.aclosing(_merge(streams)) as merged:
             async for i, out in merged:
+                cached_tokens[i] = out.num_cached_tokens
                 for chunk in _chunks(req, state, base_id, i, out, cursor):
                     yield chunk
         if req.include_usage:
-            usage = Usage.of(sum(len(p) for p in prompts), cursor.completion_tokens)
+            usage = Usage.of(sum(len(p) for p in prompts), cursor.completion_tokens,
+                             sum(cached_tokens.values()))
             yield sse_event(CompletionStreamResponse(id=base_id, model=state.model_name,
                                                      choices=[], usage=usage))
         yield sse_done()
