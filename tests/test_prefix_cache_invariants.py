@@ -180,3 +180,97 @@ PrefixCacheMachine.TestCase.settings = settings(
     max_examples=300, stateful_step_count=40, deadline=None,
     suppress_health_check=[HealthCheck.too_slow])
 TestPrefixCacheInvariants = PrefixCacheMachine.TestCase
+
+
+# ---- deterministic unit tests ------------------------------------------------------------------
+def _scheduler(num_blocks=16, block_size=4, budget=64, max_num_seqs=8, **config):
+    kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=True)
+    return Scheduler(SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
+                                     **config), kv)
+
+
+def _request(rid: str, prompt: list[int], max_tokens: int = 1) -> Request:
+    return Request(rid, list(prompt), SamplingParams(max_tokens=max_tokens),
+                   max_tokens=max_tokens)
+
+
+def _run(sched: Scheduler, *requests: Request) -> None:
+    """Add and run to completion (one fake token per sampling step)."""
+    for r in requests:
+        sched.add(r)
+    for _ in range(200):
+        if not sched.has_unfinished():
+            return
+        out = sched.schedule()
+        sampling = [s.request for s in out.scheduled if s.samples]
+        sched.update_after_step(out)
+        for r in sampling:
+            r.output_token_ids.append(FAKE_TOKEN)
+            if r.num_output_tokens >= r.max_tokens:
+                sched.finish(r, RequestStatus.FINISHED_LENGTH)
+    raise AssertionError("did not finish")
+
+
+def test_lru_evicts_the_least_recently_used_leaf_first():
+    sched = _scheduler(num_blocks=6, block_size=4)
+    old, new = _request("old", list(range(10, 19))), _request("new", list(range(50, 59)))
+    _run(sched, old)
+    _run(sched, new)  # 2 cached blocks each, all unreferenced, "old" used longer ago
+    cache = sched.kv_cache.prefix_cache
+    assert len(cache) == 4 and cache.num_unreferenced == 4
+    assert cache.evict(1) == 1
+    assert cache.match(list(range(10, 19)), None, 2) and len(
+        cache.match(list(range(10, 19)), None, 2)) == 1  # old's leaf went first
+    assert len(cache.match(list(range(50, 59)), None, 2)) == 2
+    # a hit refreshes: touching "old" again makes "new" the next victim
+    _run(sched, _request("old-again", list(range(10, 19))))
+    cache.evict(cache.num_unreferenced - 2)
+    assert len(cache.match(list(range(10, 19)), None, 2)) == 2
+
+
+def test_identical_prompts_arriving_together_compute_the_prefix_once():
+    sched = _scheduler(budget=8)
+    prompt = list(range(100, 121))  # 21 tokens: 5 full blocks
+    a, b = _request("a", prompt), _request("b", prompt)
+    sched.add(a)
+    sched.add(b)
+    out = sched.schedule()
+    assert [s.request for s in out.scheduled] == [a]  # b waits for a's blocks
+    _run(sched)
+    assert b.num_cached_tokens == 20 and a.num_cached_tokens == 0
+    assert sched.stats.num_prefill_tokens == 21 + 1
+
+
+def test_longest_prefix_first_with_a_fairness_cap():
+    sched = _scheduler(budget=64, max_num_seqs=1, policy="lpm", max_overtakes=2)
+    shared = list(range(200, 216))
+    _run(sched, _request("warm", shared + [1]))
+    cold = _request("cold", list(range(300, 317)))
+    hot = [_request(f"hot{i}", shared + [2 + i]) for i in range(4)]
+    for r in [cold, *hot]:
+        sched.add(r)
+    order = []
+    for _ in range(100):
+        if not sched.has_unfinished():
+            break
+        out = sched.schedule()
+        order += [s.request.request_id for s in out.scheduled
+                  if s.request.num_output_tokens == 0 and s.samples]
+        sampling = [s.request for s in out.scheduled if s.samples]
+        sched.update_after_step(out)
+        for r in sampling:
+            r.output_token_ids.append(FAKE_TOKEN)
+            sched.finish(r, RequestStatus.FINISHED_LENGTH)
+    # hits go first, but "cold" is overtaken at most max_overtakes times
+    assert order == ["hot0", "hot1", "cold", "hot2", "hot3"]
+    assert cold.num_overtakes == 2
+
+
+def test_all_blocks_locked_by_a_shared_prefix_still_makes_progress():
+    # 6 blocks of 4: two requests sharing 4 blocks need 4 + 2 + 2 > 6 at their peak
+    sched = _scheduler(num_blocks=6, block_size=4, budget=8, max_num_seqs=2)
+    prompt = list(range(400, 417))
+    a, b = _request("a", prompt, max_tokens=6), _request("b", prompt, max_tokens=6)
+    _run(sched, a, b)
+    assert a.num_output_tokens == b.num_output_tokens == 6
+    assert sched.kv_cache.num_free_blocks == 6
