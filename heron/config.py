@@ -87,7 +87,7 @@ class EngineConfig:
     model: str | None = None  # HF directory, .gguf file, or None for the embedded SmolLM2
     dtype: str = "float32"
     max_model_len: int | None = None
-    attention_backend: str = "torch"
+    attention_backend: str = "auto"  # "auto": triton on CUDA (if installed), else torch
     seed: int = 0
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()

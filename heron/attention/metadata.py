@@ -44,6 +44,8 @@ class ForwardContext:
     attn_metadata: AttentionMetadata
     kv_caches: list[torch.Tensor]  # per layer: (2, num_blocks, block_size, num_kv_heads, head_dim)
     backend: object
+    # Fused Triton kernels for RMSNorm, rotary and SiLU-and-mul (see heron.layers.dispatch).
+    use_triton_ops: bool = False
 
 
 _context: ForwardContext | None = None
@@ -52,6 +54,11 @@ _context: ForwardContext | None = None
 def get_forward_context() -> ForwardContext:
     if _context is None:
         raise RuntimeError("attention called outside of a forward context (set by the runner)")
+    return _context
+
+
+def current_forward_context() -> ForwardContext | None:
+    """The context of the step being run, or None outside the runner's forward."""
     return _context
 
 

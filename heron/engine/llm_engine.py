@@ -62,7 +62,10 @@ class LLMEngine:
                                        record_events=config.kv_events_endpoint is not None)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache)
         self.runner = ModelRunner(model, blocks, block_size, dtype, self.device,
-                                  config.attention_backend, config.seed)
+                                  config.attention_backend, config.seed,
+                                  enforce_eager=config.enforce_eager,
+                                  max_num_seqs=config.scheduler.max_num_seqs,
+                                  max_model_len=self.max_model_len)
         self.groups: dict[str, RequestGroup] = {}
         self._ids = itertools.count()
         logger.info("heron engine ready: %s (%s, %s) with %d KV blocks x %d tokens in %.1fs",

@@ -5,8 +5,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from heron.layers.dispatch import triton_ops_enabled
+
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """(..., 2 * d) -> (..., d): silu(gate) * up, gate first as in the fused gate_up weight."""
+    if triton_ops_enabled():
+        from heron.kernels.activation import silu_and_mul as silu_and_mul_kernel
+
+        return silu_and_mul_kernel(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up

@@ -7,6 +7,8 @@ import math
 import torch
 from torch import nn
 
+from heron.layers.dispatch import triton_ops_enabled
+
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     """Llama 3.1 frequency smoothing: long wavelengths slowed by ``factor``, short ones kept,
@@ -42,6 +44,10 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x: (T, heads, D), cos/sin: (T, 1, D) -> x rotated (HF "rotate_half" layout)."""
+    if triton_ops_enabled():
+        from heron.kernels.rotary import apply_rotary as apply_rotary_kernel
+
+        return apply_rotary_kernel(x, cos, sin)
     return x * cos + _rotate_half(x) * sin
 
 
@@ -49,7 +55,9 @@ class RotaryEmbedding(nn.Module):
     """cos/sin tables for RoPE, looked up once per step and shared by every layer.
 
     Tables are built lazily on the first call's device (the module may be created on the
-    meta device) and grown on demand.
+    meta device) and grown on demand, which reads the largest position on the host. A runner
+    that knows its positions calls ``reserve`` instead: no host read (no device sync) per
+    step, and fixed tables that a CUDA graph can capture.
     """
 
     def __init__(self, head_dim: int, theta: float, scaling: dict | None) -> None:
@@ -60,6 +68,7 @@ class RotaryEmbedding(nn.Module):
         compute_inv_freq(head_dim, theta, scaling)  # validate eagerly
         self._cos: torch.Tensor | None = None
         self._sin: torch.Tensor | None = None
+        self._reserved = False
 
     def _build(self, length: int, device: torch.device) -> None:
         with torch.device("cpu"):
@@ -69,12 +78,25 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)  # (length, D)
         self._cos, self._sin = emb.cos().to(device), emb.sin().to(device)
 
+    def reserve(self, length: int, device: torch.device) -> bool:
+        """Cover positions < ``length`` on ``device`` from now on; the caller promises never to
+        pass larger positions. Returns True when the tables were rebuilt (new tensors: a CUDA
+        graph that captured the old ones must be dropped)."""
+        self._reserved = True
+        same_device = self._cos is not None and self._cos.device.type == torch.device(device).type
+        current = self._cos.shape[0] if same_device else 0
+        if current >= length:
+            return False
+        self._build(max(length, 2 * current), device)  # doubling: rebuilt O(log) times
+        return True
+
     def forward(self, positions: torch.Tensor, dtype: torch.dtype):
         """positions: (T,) -> cos, sin: (T, 1, D) in ``dtype``."""
-        max_pos = int(positions.max()) if positions.numel() else 0
-        if self._cos is None or self._cos.device != positions.device or \
-                max_pos >= self._cos.shape[0]:
-            self._build(max(4096, 2 * (max_pos + 1)), positions.device)
+        if not self._reserved:
+            max_pos = int(positions.max()) if positions.numel() else 0
+            if self._cos is None or self._cos.device != positions.device or \
+                    max_pos >= self._cos.shape[0]:
+                self._build(max(4096, 2 * (max_pos + 1)), positions.device)
         cos = self._cos[positions].unsqueeze(1).to(dtype)
         sin = self._sin[positions].unsqueeze(1).to(dtype)
         return cos, sin

@@ -62,9 +62,18 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, hidden: torch.Tensor, rope) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), rope)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, rope):
+        """(hidden, residual) -> (this layer's MLP output, the residual stream before it).
+
+        The residual add of each sub-block is fused into the next norm (one kernel on GPU):
+        the stream after this layer is ``mlp_out + residual``, added by the next norm.
+        """
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden, residual = self.post_attention_layernorm(self.self_attn(hidden, rope), residual)
+        return self.mlp(hidden), residual
 
 
 class DecoderModel(nn.Module):
@@ -79,9 +88,10 @@ class DecoderModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
         rope = self.rotary_emb(positions, hidden.dtype)
+        residual = None
         for layer in self.layers:
-            hidden = layer(hidden, rope)
-        return self.norm(hidden)
+            hidden, residual = layer(hidden, residual, rope)
+        return self.norm(hidden, residual)[0]
 
 
 class LlamaForCausalLM(nn.Module):

@@ -7,9 +7,13 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from heron.attention import AttentionMetadata, ForwardContext, forward_context, get_attention_backend
+from heron.attention import ForwardContext, forward_context, get_attention_backend
+from heron.attention.metadata import AttentionMetadata
 from heron.engine.scheduler import ScheduledRequest, SchedulerOutput
+from heron.layers.rotary import RotaryEmbedding
 from heron.outputs import PositionLogprobs
+from heron.runner.batch import HostBatch, build_host_batch, to_device
+from heron.runner.cuda_graphs import DecodeGraphRunner
 from heron.runner.sampler import Sampler, top_logprobs
 
 
@@ -33,39 +37,76 @@ class StepResult:
     prompt_logprobs: dict[str, list[PositionLogprobs]] = field(default_factory=dict)
 
 
-@dataclass
-class _Batch:
-    input_ids: torch.Tensor  # (T,)
-    positions: torch.Tensor  # (T,)
-    metadata: AttentionMetadata
-    sample_rows: list[int]  # flat token index of the last token of each sampling request
-    prompt_lp_rows: dict[int, list[int]]  # scheduled index -> token rows needing prompt logprobs
-
-
 class ModelRunner:
+    """Runs scheduled steps on one model: batch tensors, forward (eager, or a replayed CUDA
+    graph for decode steps), logits and sampling.
+
+    ``backend`` names the attention backend ("auto", "torch", "triton"); the triton backend
+    also switches on the fused Triton norm / rotary / activation kernels. CUDA graphs are used
+    with the triton backend on CUDA unless ``enforce_eager``, for decode batches of up to
+    ``max_num_seqs`` (at most 256) requests.
+    """
+
     def __init__(self, model, num_blocks: int, block_size: int, dtype: torch.dtype,
-                 device: torch.device, backend: str, seed: int) -> None:
+                 device: torch.device, backend: str, seed: int, *, enforce_eager: bool = False,
+                 max_num_seqs: int = 256, max_model_len: int | None = None) -> None:
         arch = model.config
         self.model = model
         self.device = device
         self.block_size = block_size
-        self.backend = get_attention_backend(backend)
-        self.sampler = Sampler(seed)
+        self.backend = get_attention_backend(backend, device)
+        self.use_triton_ops = self.backend.name == "triton"
+        self.sampler = Sampler(seed, device)
         # One tensor per layer: (2, num_blocks, block_size, num_kv_heads, head_dim). Zeroed so
         # padded, masked-out keys/values are finite (0 * NaN would poison the softmax sum).
         shape = (2, num_blocks, block_size, arch.num_kv_heads, arch.head_dim)
         self.kv_caches = [_zeros(shape, dtype, device) for _ in range(arch.num_layers)]
+        # No position reaches the KV capacity; rotary tables are sized once for the context.
+        self.max_context = min(num_blocks * block_size,
+                               max_model_len or arch.max_position_embeddings)
+        self._rotary = [m for m in model.modules() if isinstance(m, RotaryEmbedding)]
+        self.graphs: DecodeGraphRunner | None = None
+        self._reserve_rotary(self.max_context)
+        if device.type == "cuda" and self.backend.name == "triton" and not enforce_eager:
+            self.enable_decode_graphs(max_num_seqs)
+
+    def enable_decode_graphs(self, max_batch: int, graph_factory=None) -> None:
+        """From now on, decode steps of up to ``max_batch`` requests replay graphs, captured
+        here (``graph_factory``: CUDA graphs by default; ``EagerGraph`` for CPU tests)."""
+        self.graphs = DecodeGraphRunner(self._forward, max_batch,
+                                        -(-self.max_context // self.block_size),
+                                        self.block_size, self.device, graph_factory)
+        self.graphs.capture_all()
+
+    def _forward(self, md: AttentionMetadata, input_ids: torch.Tensor,
+                 positions: torch.Tensor) -> torch.Tensor:
+        """(T,) token ids and positions -> hidden states (T, hidden), eagerly."""
+        ctx = ForwardContext(md, self.kv_caches, self.backend, self.use_triton_ops)
+        with forward_context(ctx):
+            return self.model(input_ids, positions)
+
+    def _reserve_rotary(self, length: int) -> None:
+        """Rotary tables cover positions < length (host ints only, no device sync)."""
+        rebuilt = [m.reserve(length, self.device) for m in self._rotary]
+        if any(rebuilt) and self.graphs is not None:
+            self.graphs.reset()  # they captured the old tables
+
+    def _run_model(self, host: HostBatch) -> torch.Tensor:
+        self._reserve_rotary(max(host.seq_lens_cpu))
+        if self.graphs is not None and self.graphs.can_run(host):
+            return self.graphs.run(host)
+        tensors = to_device(host, self.device)
+        md = host.metadata(tensors, self.block_size)
+        return self._forward(md, tensors["input_ids"], tensors["positions"])
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> StepResult:
-        batch = self._prepare(sched.scheduled)
-        ctx = ForwardContext(batch.metadata, self.kv_caches, self.backend)
-        with forward_context(ctx):
-            hidden = self.model(batch.input_ids, batch.positions)
+        batch = build_host_batch(sched.scheduled, self.block_size)
+        hidden = self._run_model(batch)
         result = StepResult()
         samplers = [s.request for s in sched.scheduled if s.samples]
         if samplers:
-            logits = self.model.compute_logits(hidden[batch.sample_rows])
+            logits = self.model.compute_logits(_rows(hidden, batch.sample_rows))
             out = self.sampler(logits, samplers)
             for req, token, lp in zip(samplers, out.token_ids, out.logprobs):
                 result.sampled[req.request_id] = token
@@ -85,46 +126,9 @@ class ModelRunner:
         return [top_logprobs(logprobs[i], targets[i], req.params.prompt_logprobs)
                 for i in range(len(rows))]
 
-    def _prepare(self, scheduled: list[ScheduledRequest]) -> _Batch:
-        input_ids: list[int] = []
-        positions: list[int] = []
-        query_lens, seq_lens, starts = [], [], [0]
-        sample_rows: list[int] = []
-        prompt_lp_rows: dict[int, list[int]] = {}
-        for idx, s in enumerate(scheduled):
-            req, start, n = s.request, s.request.num_computed_tokens, s.num_tokens
-            tokens = req.token_ids_between(start, start + n)
-            input_ids.extend(tokens)
-            positions.extend(range(start, start + n))
-            query_lens.append(n)
-            seq_lens.append(start + n)
-            starts.append(starts[-1] + n)
-            if s.samples:
-                sample_rows.append(starts[-1] - 1)
-            if req.wants_prompt_logprobs:
-                # rows at positions p < num_prompt - 1 predict prompt token p + 1
-                last = min(start + n, req.num_prompt_tokens - 1)
-                if last > start:
-                    prompt_lp_rows[idx] = list(range(starts[-2], starts[-2] + last - start))
-        max_blocks = max(len(s.request.block_ids) for s in scheduled)
-        tables = [s.request.block_ids + [0] * (max_blocks - len(s.request.block_ids))
-                  for s in scheduled]
-        dev = self.device
-        block_tables = torch.tensor(tables, dtype=torch.long)
-        pos = torch.tensor(positions, dtype=torch.long)
-        req_of_token = torch.repeat_interleave(torch.arange(len(scheduled)),
-                                               torch.tensor(query_lens))
-        slots = (block_tables[req_of_token, pos // self.block_size] * self.block_size
-                 + pos % self.block_size)
-        md = AttentionMetadata(
-            slot_mapping=slots.to(dev),
-            block_tables=block_tables.to(dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.long, device=dev),
-            query_start_loc=torch.tensor(starts, dtype=torch.long, device=dev),
-            query_start_loc_cpu=starts,
-            query_lens_cpu=query_lens,
-            seq_lens_cpu=seq_lens,
-            block_size=self.block_size,
-        )
-        return _Batch(torch.tensor(input_ids, dtype=torch.long, device=dev), pos.to(dev), md,
-                      sample_rows, prompt_lp_rows)
+
+def _rows(hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """hidden[rows]; a slice (no index tensor to copy to the device) when rows are 0..n-1."""
+    if rows == list(range(len(rows))):
+        return hidden[:len(rows)]
+    return hidden[rows]

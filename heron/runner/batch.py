@@ -1,0 +1,96 @@
+"""The flat batch of one step: built on the host from the scheduler's output, then moved to the
+device in one copy (or staged into a CUDA graph's static buffers, see ``cuda_graphs``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from heron.attention import AttentionMetadata
+from heron.engine.scheduler import ScheduledRequest
+
+
+@dataclass
+class HostBatch:
+    """Request ``i`` owns tokens ``query_start_loc[i]:query_start_loc[i + 1]``; all tensors are
+    int64 on the CPU."""
+
+    input_ids: torch.Tensor  # (T,)
+    positions: torch.Tensor  # (T,)
+    slot_mapping: torch.Tensor  # (T,)
+    seq_lens: torch.Tensor  # (N,)
+    query_start_loc: torch.Tensor  # (N + 1,)
+    block_tables: torch.Tensor  # (N, max_blocks), padded with 0
+    query_start_loc_cpu: list[int]
+    query_lens_cpu: list[int]
+    seq_lens_cpu: list[int]
+    sample_rows: list[int]  # flat token index of the last token of each sampling request
+    prompt_lp_rows: dict[int, list[int]]  # scheduled index -> token rows needing prompt logprobs
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.query_lens_cpu)
+
+    @property
+    def is_decode_only(self) -> bool:
+        return all(n == 1 for n in self.query_lens_cpu)
+
+    def metadata(self, tensors: dict[str, torch.Tensor], block_size: int) -> AttentionMetadata:
+        return AttentionMetadata(
+            slot_mapping=tensors["slot_mapping"], block_tables=tensors["block_tables"],
+            seq_lens=tensors["seq_lens"], query_start_loc=tensors["query_start_loc"],
+            query_start_loc_cpu=self.query_start_loc_cpu, query_lens_cpu=self.query_lens_cpu,
+            seq_lens_cpu=self.seq_lens_cpu, block_size=block_size)
+
+
+_DEVICE_FIELDS = ("input_ids", "positions", "slot_mapping", "seq_lens", "query_start_loc",
+                  "block_tables")
+
+
+def build_host_batch(scheduled: list[ScheduledRequest], block_size: int) -> HostBatch:
+    input_ids: list[int] = []
+    positions: list[int] = []
+    query_lens, seq_lens, starts = [], [], [0]
+    sample_rows: list[int] = []
+    prompt_lp_rows: dict[int, list[int]] = {}
+    for idx, s in enumerate(scheduled):
+        req, start, n = s.request, s.request.num_computed_tokens, s.num_tokens
+        input_ids.extend(req.token_ids_between(start, start + n))
+        positions.extend(range(start, start + n))
+        query_lens.append(n)
+        seq_lens.append(start + n)
+        starts.append(starts[-1] + n)
+        if s.samples:
+            sample_rows.append(starts[-1] - 1)
+        if req.wants_prompt_logprobs:
+            # rows at positions p < num_prompt - 1 predict prompt token p + 1
+            last = min(start + n, req.num_prompt_tokens - 1)
+            if last > start:
+                prompt_lp_rows[idx] = list(range(starts[-2], starts[-2] + last - start))
+    max_blocks = max(len(s.request.block_ids) for s in scheduled)
+    tables = [s.request.block_ids + [0] * (max_blocks - len(s.request.block_ids))
+              for s in scheduled]
+    block_tables = torch.tensor(tables, dtype=torch.long)  # (N, max_blocks)
+    pos = torch.tensor(positions, dtype=torch.long)
+    req_of_token = torch.repeat_interleave(torch.arange(len(scheduled)), torch.tensor(query_lens))
+    slots = block_tables[req_of_token, pos // block_size] * block_size + pos % block_size
+    return HostBatch(torch.tensor(input_ids, dtype=torch.long), pos, slots,
+                     torch.tensor(seq_lens, dtype=torch.long),
+                     torch.tensor(starts, dtype=torch.long), block_tables, starts, query_lens,
+                     seq_lens, sample_rows, prompt_lp_rows)
+
+
+def to_device(host: HostBatch, device: torch.device) -> dict[str, torch.Tensor]:
+    """The batch tensors on ``device``, in one host-to-device copy (views of one buffer)."""
+    parts = [getattr(host, name) for name in _DEVICE_FIELDS]
+    if device.type == "cpu":
+        return dict(zip(_DEVICE_FIELDS, parts))
+    flat = torch.cat([p.reshape(-1) for p in parts]).pin_memory()
+    # non_blocking: torch's pinned-memory allocator keeps the source until the copy completes
+    flat = flat.to(device, non_blocking=True)
+    out, offset = {}, 0
+    for name, part in zip(_DEVICE_FIELDS, parts):
+        out[name] = flat[offset:offset + part.numel()].view(part.shape)
+        offset += part.numel()
+    return out

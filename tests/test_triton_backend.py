@@ -1,0 +1,138 @@
+"""The triton attention backend (Triton CPU interpreter): same results as the torch backend on
+one mixed step, and HF-exact greedy generation end to end with every fused kernel on."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before any triton kernel is defined
+
+import random  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+pytest.importorskip("triton")
+
+from hf_reference import TINY_CONFIGS, hf_greedy, make_tiny_model  # noqa: E402
+from heron import LLM, SamplingParams  # noqa: E402
+from heron.attention import AttentionMetadata, get_attention_backend, resolve_backend_name  # noqa: E402
+from heron.attention import triton_backend  # noqa: E402
+from heron.kernels import cases, reference  # noqa: E402
+
+MAX_NEW = 6
+PROMPT_LENS = (5, 23, 11)
+
+
+def _mixed_step(sliding_window):
+    """A step of a decode, a chunk after a cached prefix, a fresh prompt and a short decode;
+    block size 4 and shuffled tables. Returns (q, k, v, kv_cache, metadata)."""
+    q_lens, seq_lens = [1, 7, 12, 1], [30, 20, 12, 5]
+    case = cases.attention_case(q_lens, seq_lens, 2, 4, 64, 4, torch.float32, seed=11,
+                                sliding_window=sliding_window)
+    starts, seq_lens_t, tables = case.device_tensors()
+    slots = [case.block_tables[i][p // 4] * 4 + p % 4
+             for i, (q, s) in enumerate(zip(q_lens, seq_lens)) for p in range(s - q, s)]
+    k = cases.randn(sum(q_lens), 2, 64, dtype=torch.float32, seed=12)
+    v = cases.randn(sum(q_lens), 2, 64, dtype=torch.float32, seed=13)
+    md = AttentionMetadata(torch.tensor(slots), tables, seq_lens_t, starts,
+                           case.query_start_loc, q_lens, seq_lens, block_size=4)
+    kv_cache = torch.stack([case.key_cache, case.value_cache])
+    return case.q, k, v, kv_cache, md
+
+
+@pytest.mark.parametrize("sliding_window", [None, 6])
+def test_backend_matches_torch_backend_on_a_mixed_step(sliding_window):
+    q, k, v, kv_cache, md = _mixed_step(sliding_window)
+    torch_cache, triton_cache = kv_cache.clone(), kv_cache.clone()
+    expected = get_attention_backend("torch").forward(q, k, v, torch_cache, md, 0.125,
+                                                      sliding_window)
+    md.backend_cache.clear()
+    got = get_attention_backend("triton").forward(q, k, v, triton_cache, md, 0.125,
+                                                  sliding_window)
+    assert torch.equal(triton_cache, torch_cache)  # the same K/V stored in the same slots
+    assert not torch.equal(triton_cache, kv_cache)
+    assert reference.max_rel_error(got, expected) <= 1e-5
+
+
+def test_backend_names(monkeypatch):
+    assert resolve_backend_name("auto", torch.device("cpu")) == "torch"
+    assert resolve_backend_name("auto", torch.device("cuda")) == "triton"
+    assert resolve_backend_name("torch", torch.device("cuda")) == "torch"
+    with pytest.raises(ValueError, match="unknown attention backend"):
+        resolve_backend_name("flash", torch.device("cpu"))
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="TRITON_INTERPRET"):
+        get_attention_backend("triton", "cpu")
+
+
+def test_heron_runs_where_triton_is_absent(tmp_path):
+    """With triton unimportable, "auto" picks torch and generation never imports triton."""
+    make_tiny_model("llama", tmp_path)
+    code = f"""
+import sys
+sys.modules["triton"] = None  # any `import triton` now fails
+from heron import LLM, SamplingParams
+llm = LLM({str(tmp_path)!r}, attention_backend="auto")
+out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=3))
+assert len(out[0].outputs[0].token_ids) == 3
+print(llm.engine.runner.backend.name)
+"""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "torch"
+
+
+@pytest.fixture(scope="module", params=sorted(TINY_CONFIGS))
+def tiny(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(f"triton-{request.param}")
+    hf = make_tiny_model(request.param, path)
+    rng = random.Random(1)
+    prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in PROMPT_LENS]
+    return path, prompts, [hf_greedy(hf, p, MAX_NEW) for p in prompts]
+
+
+def generate_and_compare(llm: LLM, prompts, refs) -> None:
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=5)
+    for out, (ref_tokens, ref_logprobs) in zip(llm.generate(prompts, params), refs):
+        got = out.outputs[0]
+        assert got.token_ids == ref_tokens
+        for step, ref in enumerate(ref_logprobs):
+            for token, lp in ref.items():
+                assert got.logprobs[step][token][0] == pytest.approx(lp, abs=1e-4)
+
+
+def _count_calls(monkeypatch, module, name: str, calls: dict) -> None:
+    original = getattr(module, name)
+
+    def counted(*args, **kwargs):
+        calls[name] = calls.get(name, 0) + 1
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, counted)
+
+
+def test_greedy_matches_hf_with_the_triton_backend(tiny, monkeypatch):
+    """Chunked prefill (budget 16, blocks of 4): steps mix decodes with prompt chunks whose
+    prefix is already in the cache; RMSNorm, rotary and SiLU run as Triton kernels too."""
+    from heron.kernels import activation, rmsnorm, rotary
+
+    path, prompts, refs = tiny
+    calls: dict[str, int] = {}
+    for module, name in ((rmsnorm, "rms_norm"), (rotary, "apply_rotary"),
+                         (activation, "silu_and_mul")):
+        _count_calls(monkeypatch, module, name, calls)
+    plans = []
+    make_plan = triton_backend._plan
+    monkeypatch.setattr(triton_backend, "_plan", lambda md: plans.append(make_plan(md))
+                        or plans[-1])
+    llm = LLM(str(path), attention_backend="triton", max_num_batched_tokens=16, block_size=4)
+    assert llm.engine.runner.backend.name == "triton"
+    generate_and_compare(llm, prompts, refs)
+    assert any(p.num_decodes and p.prefill_rows is not None for p in plans), "no mixed step"
+    assert any(p.all_decode for p in plans)
+    assert {"rms_norm", "apply_rotary", "silu_and_mul"} <= calls.keys()
