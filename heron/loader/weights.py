@@ -72,6 +72,20 @@ def load_weights(model: nn.Module, weights, dtype: torch.dtype) -> None:
                          + (" ..." if len(missing) > 8 else ""))
 
 
+def materialize_weights(model: nn.Module, source, load_format: str, dtype: torch.dtype,
+                        seed: int = 0) -> None:
+    """Fill a built model's parameters: from ``source``'s checkpoint (``load_format="auto"``)
+    or with random values from the config alone (``"dummy"``; see dummy_weights)."""
+    if load_format == "dummy":
+        from heron.loader.dummy_weights import init_dummy_weights
+
+        init_dummy_weights(model, seed)
+    elif load_format == "auto":
+        load_weights(model, source.weights(), dtype)
+    else:
+        raise ValueError(f"load_format must be 'auto' or 'dummy', got {load_format!r}")
+
+
 def optimize_layout(model: nn.Module, device: torch.device) -> None:
     """On CPU, store projection weights column-major (a transposed view of a contiguous
     (in, out) buffer): MKL's batch-1 GEMV then streams weights about 2x faster, which is what

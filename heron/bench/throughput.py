@@ -1,0 +1,123 @@
+"""`heron bench throughput`: offline, in-process batch throughput, heron and an optional peer.
+
+Both engines get the same token-id prompts and output lengths (greedy, EOS ignored), each
+after a small untimed warmup with other prompts; the peer runs after heron is freed. The
+record's ``results`` maps engine -> rates; ``ratios`` is heron / peer. Importing this module
+needs only torch and transformers (no server dependencies).
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+
+from heron.bench.heron_offline import HeronOffline, resolve_dtype
+from heron.bench.machine import machine_info
+from heron.bench.results import emit
+from heron.bench.table import format_table
+from heron.bench.workloads import Sample, build_workload
+
+logger = logging.getLogger(__name__)
+
+DEFAULTS = {"num_prompts": 256, "input_len": "100:1024", "output_len": "100:1024"}
+RATE_KEYS = ("requests_per_s", "input_tok_s", "output_tok_s", "total_tok_s")
+
+
+def _as_token_ids(samples: list[Sample], tokenizer) -> list[Sample]:
+    """Text prompts (sharegpt) tokenized once, so every engine sees the same ids."""
+    if all(isinstance(s.prompt, list) for s in samples):
+        return samples
+    if tokenizer is None:
+        raise ValueError("text prompts need a model with a tokenizer (use --workload random)")
+    return [Sample(tokenizer(s.prompt).input_ids, s.output_len) for s in samples]
+
+
+def run_engine(engine, samples: list[Sample], warmup: list[Sample]) -> tuple[dict, list]:
+    """Time one ``engine.generate`` over ``samples`` (the engine reports the seconds spent
+    generating, setup excluded) after one over ``warmup``; fail if any request's output
+    length is not the requested one (the engines would not have done the same work)."""
+    engine.generate(warmup)
+    outputs, elapsed = engine.generate(samples)
+    for i, (sample, out) in enumerate(zip(samples, outputs)):
+        if len(out) != sample.output_len:
+            raise RuntimeError(f"{engine.name}: request {i} produced {len(out)} tokens, expected "
+                               f"{sample.output_len} (is --max-model-len too small?)")
+    n_in, n_out = sum(len(s.prompt) for s in samples), sum(s.output_len for s in samples)
+    return {"path": engine.path, "elapsed_s": elapsed, "num_requests": len(samples),
+            "input_tokens": n_in, "output_tokens": n_out,
+            "requests_per_s": len(samples) / elapsed, "input_tok_s": n_in / elapsed,
+            "output_tok_s": n_out / elapsed, "total_tok_s": (n_in + n_out) / elapsed}, outputs
+
+
+def _agreement(a: list[list[int]], b: list[list[int]]) -> dict:
+    """Greedy sanity check between engines on the same weights."""
+    pairs = list(zip(a, b))
+    return {"identical_frac": sum(x == y for x, y in pairs) / len(pairs),
+            "first_token_match_frac": sum(x[:1] == y[:1] for x, y in pairs) / len(pairs)}
+
+
+def _peer(args, dtype: str, budget: dict):
+    from heron.bench.hf_peer import HFPeer
+
+    return HFPeer(args.model, args.load_format, dtype, args.peer_path, args.peer_batch_size,
+                  **budget)
+
+
+def run(args) -> dict:
+    """Run the benchmark the parsed flags describe; print the table and JSON; return the
+    record."""
+    import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    machine, dtype = machine_info(), resolve_dtype(args.dtype)
+    num = args.num_prompts or DEFAULTS["num_prompts"]
+    heron = HeronOffline(args)
+    tokenizer = heron.llm.get_tokenizer()
+    count = (lambda text: len(tokenizer(text).input_ids)) if tokenizer is not None else None
+    build = dict(vocab_size=heron.vocab_size, count_tokens=count, max_len=heron.max_model_len)
+    samples = _as_token_ids(build_workload(args, num, **build), tokenizer)
+    heron.check_fits(samples)
+    warmup = [Sample(s.prompt, 8) for s in _as_token_ids(
+        build_workload(args, min(4, num), seed_offset=1000, **build), tokenizer)]
+    results, outputs = {}, {}
+    results["heron"], outputs["heron"] = run_engine(heron, samples, warmup)
+    budget = {"kv_tokens": heron.kv_tokens, "step_tokens": heron.step_tokens}
+    heron.close()
+    del heron
+    gc.collect()
+    extra = {}
+    if args.peer == "hf":
+        peer = _peer(args, dtype, budget)
+        results["hf"], outputs["hf"] = run_engine(peer, samples, warmup)
+        peer.close()
+        if args.load_format == "auto":
+            extra = _agreement(outputs["heron"], outputs["hf"])
+    ratios = {k: results["heron"][k] / results["hf"][k] for k in RATE_KEYS} if "hf" in results \
+        else {}
+    print_table(results, ratios)
+    record = {"kind": "throughput", "machine": machine, "config": _config(args, num, dtype),
+              "results": results, "ratios": ratios, **extra}
+    emit(record, args.json_out)
+    return record
+
+
+def _config(args, num: int, dtype: str) -> dict:
+    keys = ("model", "load_format", "workload", "prefix_len",
+            "num_prefixes", "dataset", "seed", "max_num_batched_tokens", "max_num_seqs",
+            "max_model_len", "threads", "peer", "no_prefix_caching", "attention_backend",
+            "enforce_eager")
+    return {k: getattr(args, k, None) for k in keys} | {
+        "num_prompts": num, "dtype": dtype,
+        "input_len": args.input_len, "output_len": args.output_len or args._default_output}
+
+
+def print_table(results: dict, ratios: dict) -> None:
+    names = list(results)
+    headers = ["metric", *names] + (["heron/hf"] if ratios else [])
+    rows = [[key, *(results[n][key] for n in names)]
+            + ([f"{ratios[key]:.2f}x" if key in ratios else ""] if ratios else [])
+            for key in ("elapsed_s", *RATE_KEYS)]
+    print(format_table(headers, rows))
+    for n in names:
+        print(f"{n}: {results[n]['path']}")
