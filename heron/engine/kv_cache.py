@@ -110,10 +110,11 @@ class KVCacheManager:
         tokens = request.token_ids_between(0, max_blocks * self.block_size)
         return self.prefix_cache.match(tokens, request.cache_salt, max_blocks)
 
-    def uncached_block_hash(self, request: Request, hit: list[CacheNode] | None = None) -> int | None:
+    def uncached_block_hash(self, request: Request,
+                            hit: list[CacheNode] | None = None) -> int | None:
         """Hash of the first full block ``request`` will compute that is not cached yet (for a
         waiting request, the one after ``hit``); None if no such block is reusable."""
-        if self.prefix_cache is None:
+        if self.prefix_cache is None or request.params.prompt_logprobs is not None:
             return None
         if hit is None:
             index, parent = request.num_cached_blocks, request.last_cached_node
@@ -123,8 +124,8 @@ class KVCacheManager:
         if (index + 1) * bs > request.num_tokens - 1:
             return None
         parent = parent or self.prefix_cache.root(request.cache_salt)
-        return chain_hash(parent.block_hash, tuple(request.token_ids_between(index * bs,
-                                                                            (index + 1) * bs)))
+        block = request.token_ids_between(index * bs, (index + 1) * bs)
+        return chain_hash(parent.block_hash, tuple(block))
 
     def cache_full_blocks(self, request: Request) -> None:
         """Insert the request's newly computed full blocks into the tree. Where an identical
@@ -136,7 +137,8 @@ class KVCacheManager:
         parent = request.last_cached_node or self.prefix_cache.root(request.cache_salt)
         for i in range(request.num_cached_blocks, full):
             own = request.block_ids[i]
-            node = self.prefix_cache.insert(parent, tuple(request.token_ids_between(i * bs, (i + 1) * bs)), own)
+            tokens = tuple(request.token_ids_between(i * bs, (i + 1) * bs))
+            node = self.prefix_cache.insert(parent, tokens, own)
             if node.block_id != own:
                 self.prefix_cache.acquire([node])
                 request.block_ids[i] = node.block_id
