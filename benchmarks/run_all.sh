@@ -47,7 +47,7 @@ if [[ -x "$LLAMA_VENV/bin/python" ]] && "$LLAMA_VENV/bin/python" -c "import llam
   # interrupt_requests False: by default a new request cuts the running stream short.
   "$LLAMA_VENV/bin/python" -m llama_cpp.server --model "$GGUF" --host 127.0.0.1 \
     --port "$PORT" --n_ctx 4096 --n_threads "$THREADS" --n_threads_batch "$THREADS" \
-    --interrupt_requests False > "$RAW/llamacpp-server.log" 2>&1 &
+    --interrupt_requests False > "${TMPDIR:-/tmp}/heron-llamacpp-server.log" 2>&1 &
   LLAMA_PID=$!
   trap 'kill $LLAMA_PID 2>/dev/null || true' EXIT
   for _ in $(seq 300); do
