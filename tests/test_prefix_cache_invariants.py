@@ -177,7 +177,7 @@ class PrefixCacheMachine(RuleBasedStateMachine):
 
 
 PrefixCacheMachine.TestCase.settings = settings(
-    max_examples=300, stateful_step_count=40, deadline=None,
+    max_examples=1000, stateful_step_count=40, deadline=None,
     suppress_health_check=[HealthCheck.too_slow])
 TestPrefixCacheInvariants = PrefixCacheMachine.TestCase
 
