@@ -110,6 +110,17 @@ class KVCacheManager:
         tokens = request.token_ids_between(0, max_blocks * self.block_size)
         return self.prefix_cache.match(tokens, request.cache_salt, max_blocks)
 
+    def record_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
+        """Count an admission's prefix-cache query and hit (tokens), for the hit rate."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.stats.queries += num_tokens
+            self.prefix_cache.stats.hits += num_hit_tokens
+
+    def _block_tokens(self, request: Request, index: int) -> tuple[int, ...]:
+        """The token ids of block ``index`` of ``request`` (the tree's key for it)."""
+        bs = self.block_size
+        return tuple(request.token_ids_between(index * bs, (index + 1) * bs))
+
     def uncached_block_hash(self, request: Request,
                             hit: list[CacheNode] | None = None) -> int | None:
         """Hash of the first full block ``request`` will compute that is not cached yet (for a
@@ -120,12 +131,10 @@ class KVCacheManager:
             index, parent = request.num_cached_blocks, request.last_cached_node
         else:
             index, parent = len(hit), (hit[-1] if hit else None)
-        bs = self.block_size
-        if (index + 1) * bs > request.num_tokens - 1:
+        if (index + 1) * self.block_size > request.num_tokens - 1:
             return None
         parent = parent or self.prefix_cache.root(request.cache_salt)
-        block = request.token_ids_between(index * bs, (index + 1) * bs)
-        return chain_hash(parent.block_hash, tuple(block))
+        return chain_hash(parent.block_hash, self._block_tokens(request, index))
 
     def cache_full_blocks(self, request: Request) -> None:
         """Insert the request's newly computed full blocks into the tree. Where an identical
@@ -133,12 +142,11 @@ class KVCacheManager:
         release the duplicate."""
         if self.prefix_cache is None:
             return
-        bs, full = self.block_size, request.num_computed_tokens // self.block_size
+        full = request.num_computed_tokens // self.block_size
         parent = request.last_cached_node or self.prefix_cache.root(request.cache_salt)
         for i in range(request.num_cached_blocks, full):
             own = request.block_ids[i]
-            tokens = tuple(request.token_ids_between(i * bs, (i + 1) * bs))
-            node = self.prefix_cache.insert(parent, tokens, own)
+            node = self.prefix_cache.insert(parent, self._block_tokens(request, i), own)
             if node.block_id != own:
                 self.prefix_cache.acquire([node])
                 request.block_ids[i] = node.block_id

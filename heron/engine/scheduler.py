@@ -122,10 +122,10 @@ class Scheduler:
         return budget
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        if not self._has_room(budget):
+            return  # before any lookup: a full step costs no prefix-cache walk
         in_flight = self._blocks_in_flight()
         for request, hit in self._waiting_in_order():
-            if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
-                break
             next_block = self.kv_cache.uncached_block_hash(request, hit)
             if next_block is not None and next_block in in_flight:
                 continue  # a running prefill is computing this block: reuse it next step
@@ -137,7 +137,13 @@ class Scheduler:
             self._admit(request, num_cached)
             out.scheduled.append(ScheduledRequest(request, num_tokens))
             budget -= num_tokens
+            if not self._has_room(budget):
+                break
             in_flight.add(self.kv_cache.uncached_block_hash(request))
+
+    def _has_room(self, budget: int) -> bool:
+        """Budget and a sequence slot are left for one more admission."""
+        return budget > 0 and len(self.running) < self.config.max_num_seqs
 
     def _waiting_in_order(self) -> Iterator[tuple[Request, list[CacheNode]]]:
         """Waiting requests in admission order, each with its prefix-cache hit."""
@@ -166,9 +172,7 @@ class Scheduler:
         request.num_computed_tokens = num_cached
         if request.num_cached_tokens is None:
             request.num_cached_tokens = num_cached
-        if self.kv_cache.prefix_cache is not None:
-            self.kv_cache.prefix_cache.stats.queries += request.num_tokens
-            self.kv_cache.prefix_cache.stats.hits += num_cached
+        self.kv_cache.record_lookup(request.num_tokens, num_cached)
         if request.scheduled_time is None:
             request.scheduled_time = time.monotonic()
         request.status = RequestStatus.RUNNING
