@@ -20,7 +20,8 @@ from typing import Any, Iterator
 
 import numpy as np
 import torch
-from gguf import GGUFReader
+import gguf.quants
+from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
 # GGUF architecture -> (HF model_type, HF architecture class name)
@@ -51,6 +52,10 @@ _BLOCK_NAMES = {
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
 }
+# ggml tensor types gguf.quants.dequantize can turn into float32 (it raises on the rest); a
+# gguf release without the private _type_traits table leaves that error to dequantize.
+_DEQUANTIZABLE = {GGMLQuantizationType.F32, GGMLQuantizationType.F16,
+                  *getattr(gguf.quants, "_type_traits", GGMLQuantizationType)}
 # Tensors consumed by read_gguf_config (llama3 rope factors) rather than the model.
 _SKIPPED_TENSORS = {"rope_freqs.weight"}
 
@@ -81,6 +86,18 @@ def _gguf_arch(reader: GGUFReader) -> str:
             f"Unsupported GGUF architecture {arch!r}; heron supports {sorted(_ARCHS)}."
         )
     return arch
+
+
+def _check_tensor_types(reader: GGUFReader) -> None:
+    """ValueError naming the ggml types (and a tensor of each) heron cannot dequantize."""
+    bad = {}
+    for t in reader.tensors:
+        if t.tensor_type not in _DEQUANTIZABLE:
+            bad.setdefault(GGMLQuantizationType(t.tensor_type).name, t.name)
+    if bad:
+        found = ", ".join(f"{kind} (e.g. {name})" for kind, name in sorted(bad.items()))
+        raise ValueError(f"GGUF tensors use ggml types heron cannot dequantize: {found}; "
+                         f"supported: {', '.join(sorted(q.name for q in _DEQUANTIZABLE))}")
 
 
 def _model_type(reader: GGUFReader, arch: str) -> str:
@@ -129,6 +146,7 @@ def _rope_scaling(reader: GGUFReader, arch: str, theta: float, head_dim: int) ->
 def _config_from_reader(reader: GGUFReader) -> dict:
     """Build the HF config dict from an open reader (see read_gguf_config)."""
     arch = _gguf_arch(reader)
+    _check_tensor_types(reader)
     model_type = _model_type(reader, arch)
     key = lambda k, d=None: _meta(reader, f"{arch}.{k}", d)  # noqa: E731
     tensors = {t.name: t for t in reader.tensors}

@@ -10,6 +10,7 @@ from typing import Callable, Iterator
 import torch
 
 from heron.loader import safetensors_weights
+from heron.loader.checkpoint_checks import check_not_quantized
 
 WeightsFn = Callable[[], Iterator[tuple[str, torch.Tensor]]]
 
@@ -46,6 +47,8 @@ def _from_hf_dir(path: Path, load_format: str) -> ModelSource:
     config_path = path / "config.json"
     if not config_path.is_file():
         raise FileNotFoundError(f"{path} is not a Hugging Face model directory (no config.json)")
+    hf_config = _read_json(config_path)
+    check_not_quantized(path, hf_config)  # even for dummy weights: a float model is not this one
     if load_format == "dummy":  # random weights: config.json is all that is needed
         weights = _no_weights
     else:
@@ -55,7 +58,7 @@ def _from_hf_dir(path: Path, load_format: str) -> ModelSource:
                                                        "tokenizer_config.json"))
     return ModelSource(
         name=str(path),
-        hf_config=_read_json(config_path),
+        hf_config=hf_config,
         weights=weights,
         tokenizer_dir=path if has_tokenizer else None,
         generation_config=_read_json(path / "generation_config.json"),

@@ -3,18 +3,14 @@
 from __future__ import annotations
 
 import contextlib
-import logging
 
 import torch
 from torch import nn
 
 from heron.layers.embedding import LMHead
 from heron.layers.linear import Linear, default_weight_loader
+from heron.loader import checkpoint_checks as checks
 from heron.models import ModelArchConfig, get_model_class
-
-logger = logging.getLogger(__name__)
-
-_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 @contextlib.contextmanager
@@ -48,24 +44,33 @@ def build_model(arch: ModelArchConfig, dtype: torch.dtype, device: torch.device)
 
 
 def load_weights(model: nn.Module, weights, dtype: torch.dtype) -> None:
-    """Copy every checkpoint tensor into its parameter; fail on anything missing."""
+    """Copy every checkpoint tensor into its parameter.
+
+    Fails (ValueError) on a parameter the checkpoint lacks, on a tensor that is not plain
+    floating point, and on checkpoint tensors with no matching parameter unless known harmless
+    (rotary caches, the tied lm_head.weight): see checkpoint_checks.
+    """
     params = dict(model.named_parameters())
     packed = getattr(model, "packed_modules", {})
     tied = model.config.tie_word_embeddings
     expected = {name: len(getattr(_owner(model, name), "output_sizes", [None]))
                 for name in params if not (tied and name == "lm_head.weight")}
     loaded: dict[str, set] = {}
+    unexpected: list[str] = []
     for hf_name, tensor in weights:
-        if hf_name.endswith(_IGNORED_SUFFIXES) or (tied and hf_name == "lm_head.weight"):
+        if checks.is_harmless(hf_name) or (tied and hf_name == "lm_head.weight"):
             continue
         name, shard = _route(hf_name, packed)
         param = params.get(name)
         if param is None:
-            logger.warning("ignoring checkpoint tensor %s (no matching parameter)", hf_name)
+            unexpected.append(hf_name)
             continue
+        checks.check_dtype(hf_name, tensor)
         loader = getattr(_owner(model, name), "load_weight", default_weight_loader)
         loader(param, tensor.to(dtype), shard)
         loaded.setdefault(name, set()).add(shard)
+    if unexpected:
+        raise checks.unexpected_tensors_error(unexpected)
     missing = [n for n, shards in expected.items() if len(loaded.get(n, ())) < shards]
     if missing:
         raise ValueError(f"checkpoint lacks weights for: {', '.join(missing[:8])}"
