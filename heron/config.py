@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -106,3 +107,12 @@ class EngineConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         return parse_dtype(self.dtype)
+
+
+# ---- environment ------------------------------------------------------------------------------
+def fault_injection_token() -> int | None:
+    """``HERON_FAULT_INJECTION_TOKEN`` (for reliability tests): a request whose prompt holds
+    this token id raises while the engine processes its output, as a bug would, so tests can
+    show that one failing request costs only that request."""
+    value = os.environ.get("HERON_FAULT_INJECTION_TOKEN")
+    return int(value) if value else None

@@ -16,7 +16,8 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     logprobs: list[PositionLogprobs] | None = None
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
+    # "stop" | "length" | "abort" | "error" (see RequestOutput.error) | None while running
+    finish_reason: str | None = None
     stop_reason: int | str | None = None  # the stop string or stop token that ended it
 
     @property
@@ -36,3 +37,4 @@ class RequestOutput:
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     metrics: dict = field(default_factory=dict)
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+    error: str | None = None  # why the engine failed this request (finish_reason "error")

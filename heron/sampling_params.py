@@ -2,18 +2,30 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 # Hard limits that keep a single request from exhausting host memory.
 MAX_LOGPROBS = 20
 MAX_N = 128
+# Seeds are 64-bit (torch.Generator's range); signed values map to their two's complement.
+MIN_SEED, MAX_SEED = -2**63, 2**64 - 1
+# Integer knobs (top_k, token counts, token ids) fit in int32 on the wire and on the device.
+MAX_INT32 = 2**31 - 1
+# Temperatures below this sample greedily: dividing logits by them overflows to inf / NaN.
+SAMPLING_EPS = 1e-5
+
+
+def child_seed(seed: int, index: int) -> int:
+    """The seed of completion ``index`` of an n > 1 request: ``seed + index`` in 64 bits."""
+    return (seed + index) % 2**64
 
 
 @dataclass
 class SamplingParams:
     """What to generate and how to pick each token.
 
-    temperature == 0 means greedy. ``max_tokens=None`` means "until max_model_len".
+    temperature == 0 (or below SAMPLING_EPS) means greedy. ``max_tokens=None`` means "until max_model_len".
     ``logprobs=k`` returns the top-k logprobs of each sampled token (plus the sampled one);
     ``prompt_logprobs=k`` the same for every prompt token after the first.
     Logprobs are those of the model's raw distribution (before temperature and penalties).
@@ -52,20 +64,36 @@ class SamplingParams:
             if not cond:
                 raise ValueError(msg)
 
+        def is_int(value) -> bool:
+            return isinstance(value, int) and not isinstance(value, bool)
+
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty",
+                     "presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            check(isinstance(value, (int, float)) and not isinstance(value, bool)
+                  and math.isfinite(value), f"{name} must be a finite number, got {value!r}")
+        for name in ("n", "top_k", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs",
+                     "seed"):
+            value = getattr(self, name)
+            check(value is None or is_int(value), f"{name} must be an integer, got {value!r}")
         check(1 <= self.n <= MAX_N, f"n must be in [1, {MAX_N}], got {self.n}")
         check(self.temperature >= 0.0, f"temperature must be >= 0, got {self.temperature}")
         check(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}")
-        check(self.top_k >= 0, f"top_k must be -1, 0 (disabled) or positive, got {self.top_k}")
+        check(0 <= self.top_k <= MAX_INT32,
+              f"top_k must be -1, 0 (disabled) or positive, got {self.top_k}")
         check(0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}")
-        check(self.repetition_penalty > 0.0,
-              f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        check(0.0 < self.repetition_penalty <= 2.0,
+              f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
         check(-2.0 <= self.presence_penalty <= 2.0,
               f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
         check(-2.0 <= self.frequency_penalty <= 2.0,
               f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
-        check(self.max_tokens is None or self.max_tokens >= 1,
+        check(self.seed is None or MIN_SEED <= self.seed <= MAX_SEED,
+              f"seed must fit in 64 bits ([{MIN_SEED}, {MAX_SEED}]), got {self.seed}")
+        check(self.max_tokens is None or 1 <= self.max_tokens <= MAX_INT32,
               f"max_tokens must be at least 1, got {self.max_tokens}")
-        check(self.min_tokens >= 0, f"min_tokens must be >= 0, got {self.min_tokens}")
+        check(0 <= self.min_tokens <= MAX_INT32,
+              f"min_tokens must be >= 0, got {self.min_tokens}")
         check(self.max_tokens is None or self.min_tokens <= self.max_tokens,
               f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
         for name in ("logprobs", "prompt_logprobs"):
@@ -73,10 +101,12 @@ class SamplingParams:
             check(value is None or 0 <= value <= MAX_LOGPROBS,
                   f"{name} must be in [0, {MAX_LOGPROBS}], got {value}")
         check(all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty")
+        check(all(is_int(t) and 0 <= t <= MAX_INT32 for t in self.stop_token_ids),
+              f"stop_token_ids must be non-negative token ids, got {self.stop_token_ids[:8]}")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < SAMPLING_EPS
 
     @property
     def uses_penalties(self) -> bool:

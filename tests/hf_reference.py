@@ -21,12 +21,13 @@ TINY_CONFIGS = {
 }
 
 
-def make_tiny_model(arch: str, path: Path, seed: int = 0):
-    """Save a random tiny model of ``arch`` into ``path``; return the HF model (float32)."""
+def make_tiny_model(arch: str, path: Path, seed: int = 0, **overrides):
+    """Save a random tiny model of ``arch`` into ``path``; return the HF model (float32).
+    ``overrides`` replace config fields (e.g. ``vocab_size``)."""
     import transformers
 
     config_cls, model_cls, extra = TINY_CONFIGS[arch]
-    config = getattr(transformers, config_cls)(**TINY_COMMON, **extra)
+    config = getattr(transformers, config_cls)(**{**TINY_COMMON, **extra, **overrides})
     torch.manual_seed(seed)
     model = getattr(transformers, model_cls)(config).float().eval()
     model.save_pretrained(path)

@@ -8,12 +8,13 @@ import time
 
 import torch
 
-from heron.config import EngineConfig
+from heron.config import EngineConfig, fault_injection_token
 from heron.engine.detokenizer import IncrementalDetokenizer
 from heron.engine.kv_cache import KVCacheManager
 from heron.engine.output_processor import RequestGroup
 from heron.engine.request import Request, RequestStatus
-from heron.engine.scheduler import Scheduler, SchedulerOutput
+from heron.engine.isolation import EngineFault, describe, run_isolating
+from heron.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from heron.loader.model_source import load_tokenizer, resolve_model
 from heron.loader.weights import build_model, materialize_weights, optimize_layout
 from heron.models import ModelArchConfig, get_model_class
@@ -21,9 +22,14 @@ from heron.models.config import architecture_of
 from heron.outputs import RequestOutput
 from heron.runner.memory import num_kv_blocks
 from heron.runner.model_runner import ModelRunner, StepResult
-from heron.sampling_params import SamplingParams
+from heron.sampling_params import SamplingParams, child_seed
 
 logger = logging.getLogger(__name__)
+
+# A step fails as a whole when every request in it fails alone. That is an engine fault (not
+# the requests') when they belong to different user requests, or when it happens this many
+# steps in a row: a bad request (or its n siblings) fails once, a broken engine every time.
+MAX_FAILED_STEPS = 3
 
 
 def _eos_ids(source, arch: ModelArchConfig) -> tuple[int, ...]:
@@ -68,6 +74,8 @@ class LLMEngine:
                                   max_model_len=self.max_model_len)
         self.groups: dict[str, RequestGroup] = {}
         self._ids = itertools.count()
+        self._failed_steps = 0  # consecutive steps in which every request failed
+        self._fault_token = fault_injection_token()
         logger.info("heron engine ready: %s (%s, %s) with %d KV blocks x %d tokens in %.1fs",
                     self.model_name, self.arch.architecture, config.dtype, blocks, block_size,
                     time.monotonic() - started)
@@ -104,6 +112,13 @@ class LLMEngine:
             raise ValueError(f"token ids out of the vocabulary [0, {self.arch.vocab_size}): "
                              f"{bad[:5]}")
 
+    def validate_params(self, params: SamplingParams) -> None:
+        """What SamplingParams cannot check alone: token ids against this vocabulary."""
+        bad = [t for t in params.stop_token_ids if t >= self.arch.vocab_size]
+        if bad:
+            raise ValueError(f"stop_token_ids out of the vocabulary [0, "
+                             f"{self.arch.vocab_size}): {bad[:5]}")
+
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                     arrival_time: float | None = None, cache_salt: str | None = None) -> None:
         """Validate and queue; raises ValueError (queueing nothing) for bad input.
@@ -115,6 +130,7 @@ class LLMEngine:
             raise ValueError(f"duplicate request id {request_id!r}")
         token_ids = self.tokenize(prompt)
         self.validate_prompt(token_ids)
+        self.validate_params(params)
         room = self.max_model_len - len(token_ids)
         max_tokens = min(params.max_tokens or room, room)
         children = [self._child(request_id, i, token_ids, params, max_tokens)
@@ -134,7 +150,7 @@ class LLMEngine:
                         params, eos_token_ids=self.eos_token_ids, max_tokens=max_tokens,
                         parent_id=request_id, index=index)
         if params.seed is not None and index > 0:
-            child.generator = torch.Generator().manual_seed(params.seed + index)
+            child.generator = torch.Generator().manual_seed(child_seed(params.seed, index))
         return child
 
     def _detokenizer(self, token_ids, params) -> IncrementalDetokenizer | None:
@@ -169,38 +185,106 @@ class LLMEngine:
 
     # ---- the step ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """One engine iteration; returns outputs of requests that made progress."""
-        sched = self.scheduler.schedule()
-        if sched.is_empty:
-            return []
-        result = self.runner.execute(sched)
-        self.scheduler.update_after_step(sched)
-        return self._postprocess(sched, result)
+        """One engine iteration; returns outputs of requests that made progress or failed.
 
-    def _postprocess(self, sched: SchedulerOutput, result: StepResult) -> list[RequestOutput]:
+        A request whose processing raises (scheduling, sampling, detokenizing) is finished
+        with finish_reason "error" and the others go on; ``EngineFault`` when no request
+        explains the failure.
+        """
+        sched = self.scheduler.schedule()
+        failed = self._fail_groups(sched.failed)
+        if sched.is_empty:
+            return self._emit(failed)
+        result = self._execute(sched)
+        self.scheduler.update_after_step(sched)
+        failed.update(self._fail_groups(sched.failed))
+        return self._emit({**failed, **self._postprocess(sched, result)})
+
+    def _execute(self, sched: SchedulerOutput) -> StepResult:
+        """Run the step; on failure, bisect to the requests that cause it and fail those."""
+        def run(part):
+            return self.runner.execute(SchedulerOutput(scheduled=list(part)))
+
+        results, failures = run_isolating(run, sched.scheduled)
+        self._failed_steps = 0 if results else self._failed_steps + 1
+        if not failures:
+            return results[0]
+        culprits = {scheduled.request.parent_id for scheduled, _ in failures}
+        if not results and (len(culprits) > 1 or self._failed_steps >= MAX_FAILED_STEPS):
+            raise EngineFault(f"every request of {self._failed_steps} step(s) failed: "
+                              f"{describe(failures[0][1])}") from failures[0][1]
+        for scheduled, exc in failures:
+            self.scheduler.fail(scheduled.request, exc, sched)
+        sched.scheduled = [s for s in sched.scheduled if not s.request.is_finished]
+        merged = StepResult()
+        for part in results:
+            merged.sampled.update(part.sampled)
+            merged.logprobs.update(part.logprobs)
+            merged.prompt_logprobs.update(part.prompt_logprobs)
+        return merged
+
+    def _fail_groups(self, failed: list[tuple[Request, Exception]]) -> dict[str, RequestGroup]:
+        """Finish the groups of failed sequences with an error (their siblings too)."""
+        groups: dict[str, RequestGroup] = {}
+        for request, exc in failed:
+            group = self.groups.get(request.parent_id)
+            if group is None or group.error is not None:
+                continue
+            group.error = describe(exc)
+            for child in group.children:
+                if not child.is_finished:
+                    self.scheduler.finish(child, RequestStatus.FINISHED_ERROR)
+            groups[group.request_id] = group
+        failed.clear()
+        return groups
+
+    def _emit(self, groups: dict[str, RequestGroup]) -> list[RequestOutput]:
+        """Outputs of the groups that progressed; finished groups are forgotten."""
+        outputs = [g.to_output() for g in groups.values()]
+        for out in outputs:
+            if out.finished:
+                del self.groups[out.request_id]
+        return outputs
+
+    def _postprocess(self, sched: SchedulerOutput, result: StepResult
+                     ) -> dict[str, RequestGroup]:
         touched: dict[str, RequestGroup] = {}
         now = time.monotonic()
         for s in sched.scheduled:
             req = s.request
             group = self.groups[req.parent_id]
-            if req.request_id in result.prompt_logprobs:
-                lps = result.prompt_logprobs[req.request_id]
-                first = req.num_computed_tokens - s.num_tokens + 1
-                req.prompt_logprobs[first:first + len(lps)] = lps
-            token = result.sampled.get(req.request_id)
-            if token is None:
-                continue  # mid-prefill chunk
-            self._append_token(req, token, result, now)
-            stop = group.update_text(req.index)
-            if stop is not None and not req.is_finished:
-                req.stop_reason = stop
-                self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
-            touched[group.request_id] = group
-        outputs = [g.to_output() for g in touched.values()]
-        for out in outputs:
-            if out.finished:
-                del self.groups[out.request_id]
-        return outputs
+            if group.error is not None:
+                touched[group.request_id] = group
+                continue
+            try:
+                progressed = self._apply_step(s, group, result, now)
+            except Exception as exc:  # noqa: BLE001 - detokenizer, stop checks, logprobs
+                self.scheduler.fail(req, exc)
+                self._fail_groups([(req, exc)])
+                progressed = True
+            if progressed:
+                touched[group.request_id] = group
+        return touched
+
+    def _apply_step(self, s: ScheduledRequest, group: RequestGroup, result: StepResult,
+                    now: float) -> bool:
+        """Record one request's prompt logprobs and sampled token; True if it sampled."""
+        req = s.request
+        if req.request_id in result.prompt_logprobs:
+            lps = result.prompt_logprobs[req.request_id]
+            first = req.num_computed_tokens - s.num_tokens + 1
+            req.prompt_logprobs[first:first + len(lps)] = lps
+        token = result.sampled.get(req.request_id)
+        if token is None:
+            return False  # mid-prefill chunk
+        if self._fault_token is not None and self._fault_token in req.prompt_token_ids:
+            raise RuntimeError(f"injected fault (prompt holds token {self._fault_token})")
+        self._append_token(req, token, result, now)
+        stop = group.update_text(req.index)
+        if stop is not None and not req.is_finished:
+            req.stop_reason = stop
+            self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
+        return True
 
     def _append_token(self, req: Request, token: int, result: StepResult, now: float) -> None:
         req.output_token_ids.append(token)

@@ -18,6 +18,7 @@ class RequestGroup:
     children: list[Request]
     detokenizers: list[IncrementalDetokenizer | None]
     num_emitted_tokens: list[int] = field(default_factory=list)
+    error: str | None = None  # set when processing failed: every child ends with "error"
 
     def __post_init__(self) -> None:
         self.num_emitted_tokens = [0] * len(self.children)
@@ -61,6 +62,7 @@ class RequestGroup:
                              if first.params.prompt_logprobs is not None else None),
             metrics=_metrics(self.children),
             num_cached_tokens=first.num_cached_tokens or 0,
+            error=self.error,
         )
 
 

@@ -9,6 +9,10 @@ prefix-cache hits and decode are the same rule: ``num_computed_tokens`` catches 
 running request is preempted (its blocks released, its progress reset) and goes back to the
 front of the waiting queue.
 
+A request whose own bookkeeping raises (a lookup, an allocation, caching its blocks) is
+finished with status ``FINISHED_ERROR`` and reported in ``SchedulerOutput.failed``; the step
+goes on for everyone else.
+
 A waiting request whose next uncached block is being computed right now by a running prefill
 (``n > 1`` siblings, users sharing a system prompt) is deferred a step, so it reuses that
 block instead of computing it again.
@@ -17,6 +21,7 @@ block instead of computing it again.
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -26,6 +31,8 @@ from heron.config import SchedulerConfig
 from heron.engine.kv_cache import KVCacheManager
 from heron.engine.prefix_cache import CacheNode
 from heron.engine.request import Request, RequestStatus
+
+logger = logging.getLogger(__name__)
 
 LPM_WINDOW = 128  # longest-prefix-match ranks at most this many waiting requests per step
 
@@ -45,6 +52,7 @@ class ScheduledRequest:
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    failed: list[tuple[Request, Exception]] = field(default_factory=list)  # now FINISHED_ERROR
 
     @property
     def num_batched_tokens(self) -> int:
@@ -91,6 +99,20 @@ class Scheduler:
         request.finish_time = time.monotonic()
         self.kv_cache.free(request)
 
+    def fail(self, request: Request, exc: Exception, out: SchedulerOutput | None = None) -> None:
+        """Finish ``request`` with FINISHED_ERROR after its processing raised ``exc``."""
+        logger.error("request %s failed: %r", request.request_id, exc,
+                     exc_info=(type(exc), exc, exc.__traceback__))
+        if request.is_finished:
+            return
+        try:
+            self.finish(request, RequestStatus.FINISHED_ERROR)
+        except Exception:  # noqa: BLE001 - its blocks may be what is broken
+            logger.exception("freeing failed request %s", request.request_id)
+            request.status = RequestStatus.FINISHED_ERROR
+        if out is not None:
+            out.failed.append((request, exc))
+
     # ---- the step ----------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -109,11 +131,11 @@ class Scheduler:
             if num_tokens <= 0:
                 i += 1
                 continue
-            while self.kv_cache.allocate(request, num_tokens) is None:
-                victim = self.running[-1]
-                self._preempt(victim, out)
-                if victim is request:
-                    break
+            try:
+                self._allocate_running(request, num_tokens, out)
+            except Exception as exc:  # noqa: BLE001 - this request's bookkeeping broke
+                self.fail(request, exc, out)
+                continue  # it left self.running: index i is the next request now
             if request.status != RequestStatus.RUNNING:
                 break  # preempted itself: nothing younger is left to serve
             out.scheduled.append(ScheduledRequest(request, num_tokens))
@@ -121,47 +143,77 @@ class Scheduler:
             i += 1
         return budget
 
+    def _allocate_running(self, request: Request, num_tokens: int, out: SchedulerOutput) -> None:
+        """Blocks for ``num_tokens`` more tokens, preempting the youngest until they fit."""
+        while self.kv_cache.allocate(request, num_tokens) is None:
+            victim = self.running[-1]
+            self._preempt(victim, out)
+            if victim is request:
+                return
+
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         if not self._has_room(budget):
             return  # before any lookup: a full step costs no prefix-cache walk
         in_flight = self._blocks_in_flight()
-        for request, hit in self._waiting_in_order():
-            next_block = self.kv_cache.uncached_block_hash(request, hit)
-            if next_block is not None and next_block in in_flight:
-                continue  # a running prefill is computing this block: reuse it next step
-            num_cached = len(hit) * self.kv_cache.block_size
-            num_tokens = min(request.num_tokens - num_cached, budget)
-            if self._below_watermark(request, num_tokens, hit) or \
-                    self.kv_cache.allocate(request, num_tokens, hit) is None:
+        for request in self._waiting_in_order():
+            try:
+                num_tokens = self._try_admit(request, budget, in_flight)
+            except Exception as exc:  # noqa: BLE001 - this request's bookkeeping broke
+                self.fail(request, exc, out)
+                continue
+            if num_tokens is None:
                 break  # the head waits for blocks, nobody overtakes it
-            self._admit(request, num_cached)
+            if num_tokens == 0:
+                continue  # deferred: a running prefill is computing its next block
             out.scheduled.append(ScheduledRequest(request, num_tokens))
             budget -= num_tokens
             if not self._has_room(budget):
                 break
             in_flight.add(self.kv_cache.uncached_block_hash(request))
 
+    def _try_admit(self, request: Request, budget: int, in_flight: set) -> int | None:
+        """Admit ``request`` with its prefix hit: the tokens it computes this step, 0 if it
+        is deferred, None if the pool (or the watermark) cannot take it now."""
+        hit = self.kv_cache.lookup(request)
+        next_block = self.kv_cache.uncached_block_hash(request, hit)
+        if next_block is not None and next_block in in_flight:
+            return 0
+        num_cached = len(hit) * self.kv_cache.block_size
+        num_tokens = min(request.num_tokens - num_cached, budget)
+        if self._below_watermark(request, num_tokens, hit) or \
+                self.kv_cache.allocate(request, num_tokens, hit) is None:
+            return None
+        self._admit(request, num_cached)
+        return num_tokens
+
     def _has_room(self, budget: int) -> bool:
         """Budget and a sequence slot are left for one more admission."""
         return budget > 0 and len(self.running) < self.config.max_num_seqs
 
-    def _waiting_in_order(self) -> Iterator[tuple[Request, list[CacheNode]]]:
-        """Waiting requests in admission order, each with its prefix-cache hit."""
+    def _waiting_in_order(self) -> Iterator[Request]:
+        """Waiting requests in admission order (each is looked up again when admitted:
+        admitting the previous candidate may have evicted blocks)."""
         if self.config.policy == "fcfs" or self.kv_cache.prefix_cache is None:
-            for request in list(self.waiting):
-                yield request, self.kv_cache.lookup(request)
+            yield from list(self.waiting)
             return
         window = list(itertools.islice(self.waiting, LPM_WINDOW))
-        hits = [self.kv_cache.lookup(r) for r in window]
+        hits = [self._hit_length(r) for r in window]
 
         def rank(i: int) -> tuple[int, int, int]:
             if window[i].num_overtakes >= self.config.max_overtakes:
                 return (0, 0, i)  # overtaken too often: goes first, in arrival order
-            return (1, -len(hits[i]), i)  # then longest cached prefix first
+            return (1, -hits[i], i)  # then longest cached prefix first
 
         for i in sorted(range(len(window)), key=rank):
-            # look up again: admitting the previous candidate may have evicted blocks
-            yield window[i], self.kv_cache.lookup(window[i])
+            yield window[i]
+
+    def _hit_length(self, request: Request) -> int:
+        """Cached blocks of ``request``'s prefix, for ranking (0 if the lookup fails: its
+        admission attempt then reports the failure)."""
+        try:
+            return len(self.kv_cache.lookup(request))
+        except Exception:  # noqa: BLE001
+            return 0
 
     def _admit(self, request: Request, num_cached: int) -> None:
         for older in self.waiting:
@@ -212,4 +264,7 @@ class Scheduler:
                     request.num_computed_tokens < request.num_tokens - 1:
                 self.stats.num_prefill_tokens += s.num_tokens  # prompt, or recompute
             request.num_computed_tokens += s.num_tokens
-            self.kv_cache.cache_full_blocks(request)
+            try:
+                self.kv_cache.cache_full_blocks(request)
+            except Exception as exc:  # noqa: BLE001 - this request's bookkeeping broke
+                self.fail(request, exc, out)

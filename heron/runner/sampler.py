@@ -37,6 +37,11 @@ def top_logprobs(logprobs: torch.Tensor, token_ids: int | torch.Tensor,
     return result
 
 
+# Repetition penalties below this act as it: dividing float32 logits by less overflows to inf
+# (and a zero logit to NaN), while the penalised tokens already dominate at this value.
+MIN_REPETITION_PENALTY = 1e-4
+
+
 def _apply_penalties(logits: torch.Tensor, requests: list[Request]) -> None:
     """In place. Repetition penalty over prompt + output (HF semantics); presence and
     frequency penalties over output tokens only (OpenAI semantics)."""
@@ -46,11 +51,11 @@ def _apply_penalties(logits: torch.Tensor, requests: list[Request]) -> None:
         if not p.uses_penalties:
             continue
         if p.repetition_penalty != 1.0:
+            penalty = max(p.repetition_penalty, MIN_REPETITION_PENALTY)
             seen = torch.tensor(sorted(set(req.all_token_ids())), dtype=torch.long,
                                 device=logits.device)
             vals = logits[row, seen]
-            logits[row, seen] = torch.where(vals > 0, vals / p.repetition_penalty,
-                                            vals * p.repetition_penalty)
+            logits[row, seen] = torch.where(vals > 0, vals / penalty, vals * penalty)
         if req.output_token_ids and (p.presence_penalty or p.frequency_penalty):
             counts = torch.bincount(torch.tensor(req.output_token_ids), minlength=vocab)
             counts = counts[:vocab].to(logits.device, logits.dtype)
