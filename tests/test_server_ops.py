@@ -147,17 +147,20 @@ def test_metrics_parse_and_move(server):
     assert "heron:kv_cache_usage_perc" in after
 
 
-def test_engine_death_makes_health_fail_fast():
+def test_engine_death_makes_health_fail_fast_and_the_server_exit_1():
     srv = HeronServer()
     try:
         os.kill(srv.stats()["engine_pid"], signal.SIGKILL)
         deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and httpx.get(f"{srv.url}/health").status_code == 200:
+        status = 200
+        while time.monotonic() < deadline and status == 200:
+            try:
+                status = httpx.get(f"{srv.url}/health").status_code
+            except httpx.ConnectError:
+                status = None  # already drained and exited
             time.sleep(0.2)
-        assert httpx.get(f"{srv.url}/health").status_code == 503
-        start = time.monotonic()
-        r = httpx.post(f"{srv.url}/v1/completions", json=_completion(), timeout=10)
-        assert r.status_code == 503 and time.monotonic() - start < 5
+        assert status in (503, None)
+        assert srv.proc.wait(40) == 1  # non-zero, so a supervisor restarts it
     finally:
         srv.stop()
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import pydantic
@@ -11,7 +12,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from heron.server.admission import AdmissionController, Overloaded
 from heron.server.errors import RequestValidationError, error_body, pydantic_error_message
 from heron.server.metrics import ServerMetrics, cost_per_million_tokens
-from heron.server.protocol import ChatCompletionRequest, CompletionRequest, validate_limits
+from heron.server.protocol import (ChatCompletionRequest, CompletionRequest, parse_request,
+                                   validate_limits)
 from heron.server.responses import ChatCompletionResponse, ErrorResponse, Usage
 
 
@@ -94,23 +96,50 @@ def test_chat_to_sampling_params_mapping():
     assert chat(logprobs=True, top_logprobs=20).to_sampling_params(10).logprobs == 20
 
 
+def _parse(cls, **fields):
+    return parse_request(cls, json.dumps(fields).encode())
+
+
+def completion_body(**kw):
+    return _parse(CompletionRequest, **{"model": "m", "prompt": "hi", **kw})
+
+
+def chat_body(**kw):
+    return _parse(ChatCompletionRequest,
+                  **{"model": "m", "messages": [{"role": "user", "content": "hi"}], **kw})
+
+
 @pytest.mark.parametrize("make,param", [
-    (lambda: completion(top_p=1.5), "top_p"),
-    (lambda: completion(n=0), "n"),
-    (lambda: completion(n=10_000), "n"),
-    (lambda: completion(seed=2**64), "seed"),
-    (lambda: completion(logprobs=6), "logprobs"),
-    (lambda: completion(stop=[f"s{i}" for i in range(20)]), "stop"),
-    (lambda: completion(stop=[""]), "stop"),
-    (lambda: completion(max_tokens=0), "max_tokens"),
-    (lambda: completion(temperature=-1), "temperature"),
-    (lambda: completion(min_tokens=5, max_tokens=2), "min_tokens"),
-    (lambda: completion(stream_options={"include_usage": True}), "stream_options"),
-    (lambda: completion(logit_bias={"1": 5}), "logit_bias"),
-    (lambda: chat(top_logprobs=21, logprobs=True), "top_logprobs"),
-    (lambda: chat(top_logprobs=2), "logprobs"),
-    (lambda: chat(presence_penalty=3), "presence_penalty"),
-    (lambda: chat(max_completion_tokens=0), "max_completion_tokens"),
+    (lambda: completion_body(top_p=1.5), "top_p"),
+    (lambda: completion_body(n=0), "n"),
+    (lambda: completion_body(n=10_000), "n"),
+    (lambda: completion_body(seed=2**64), "seed"),
+    (lambda: completion_body(top_k=2**64), "top_k"),
+    (lambda: completion_body(min_tokens=2**70), "min_tokens"),
+    (lambda: completion_body(stop_token_ids=[2**70]), "stop_token_ids"),
+    (lambda: completion_body(stop_token_ids=[-1]), "stop_token_ids"),
+    (lambda: completion_body(prompt=[2**70]), "prompt"),
+    (lambda: completion_body(logprobs=6), "logprobs"),
+    (lambda: completion_body(stop=[f"s{i}" for i in range(20)]), "stop"),
+    (lambda: completion_body(stop=[""]), "stop"),
+    (lambda: completion_body(max_tokens=0), "max_tokens"),
+    (lambda: completion_body(max_tokens=1.0), "max_tokens"),
+    (lambda: completion_body(n="2"), "n"),
+    (lambda: completion_body(n=True), "n"),
+    (lambda: completion_body(stream="yes"), "stream"),
+    (lambda: completion_body(temperature=-1), "temperature"),
+    (lambda: completion_body(repetition_penalty=0), "repetition_penalty"),
+    (lambda: completion_body(repetition_penalty=2.5), "repetition_penalty"),
+    (lambda: completion_body(min_tokens=5, max_tokens=2), "min_tokens"),
+    (lambda: completion_body(stream_options={"include_usage": True}), "stream_options"),
+    (lambda: completion_body(logit_bias={"1": 5}), "logit_bias"),
+    (lambda: completion_body(response_format={"type": "json_object"}), "response_format"),
+    (lambda: completion_body(best_of=3), "best_of"),
+    (lambda: chat_body(top_logprobs=21, logprobs=True), "top_logprobs"),
+    (lambda: chat_body(top_logprobs=2), "logprobs"),
+    (lambda: chat_body(presence_penalty=3), "presence_penalty"),
+    (lambda: chat_body(max_completion_tokens=0), "max_completion_tokens"),
+    (lambda: chat_body(tools=[{"type": "function"}]), "tools"),
 ])
 def test_validation_errors(make, param):
     with pytest.raises(RequestValidationError) as err:
@@ -119,6 +148,24 @@ def test_validation_errors(make, param):
     body = err.value.to_body()
     assert ErrorResponse(**body).error.type == "invalid_request_error"
     assert body["error"]["message"] == str(err.value)
+
+
+@pytest.mark.parametrize("raw", [
+    b'{"prompt": "Hi \\ud800"}', b'{"prompt": "\xff"}', b"[" * 5000 + b"]" * 5000,
+    b'{"prompt": "x", "temperature": NaN}', b'{"prompt": "x", "temperature": Infinity}',
+    b'{"prompt": "x"', b"", b"[]",
+])
+def test_malformed_bodies_are_400_without_an_offset_param(raw):
+    with pytest.raises(RequestValidationError) as err:
+        parse_request(CompletionRequest, raw)
+    assert err.value.param in (None, "temperature") and err.value.message
+
+
+def test_defaults_are_accepted_for_unsupported_fields():
+    req = completion_body(response_format={"type": "text"}, best_of=1, tools=[],
+                          use_beam_search=False)
+    assert req.to_sampling_params(16).n == 1
+    assert chat_body(n=2, best_of=2).to_sampling_params(16).n == 2
 
 
 def test_validate_limits_configurable_and_extras_ignored():

@@ -4,6 +4,10 @@ The core runs in a spawned process (see ``core_process``). This side binds two Z
 a private temp dir: a PUSH for ``AddRequest`` / ``Abort`` / ``Shutdown`` (sent without blocking)
 and a PULL read by one background task, which routes ``OutputDelta``s to per-request queues
 and keeps the latest stats. ``generate`` accumulates deltas into cumulative ``RequestOutput``s.
+
+The core is dead once its process exits, it reports a fatal error, or its heartbeat (see
+``heartbeat.py``) is silent for ``heartbeat_timeout`` seconds (a frozen core is killed then).
+Every pending request then fails with ``EngineDeadError`` and ``wait_failed`` returns.
 """
 
 from __future__ import annotations
@@ -31,10 +35,16 @@ from heron.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 POLL_MS = 200  # the reader checks that the core is alive at least this often
+HEARTBEAT_TIMEOUT_S = 5.0  # silence from the core (no heartbeat, no output) that means dead
 
 
 class EngineDeadError(RuntimeError):
-    """The engine-core process is gone (crashed, killed or shut down)."""
+    """The engine-core process is gone (crashed, killed, frozen or shut down)."""
+
+
+class RequestFailedError(RuntimeError):
+    """The engine failed this request while processing it (finish_reason "error"); the
+    engine itself goes on serving the others."""
 
 
 @dataclass
@@ -47,6 +57,7 @@ class _Stream:
     prompt_logprobs: list | None = None
     metrics: dict = field(default_factory=dict)
     num_cached_tokens: int = 0
+    error: str | None = None  # the engine failed the request (finish_reason "error")
 
     def apply(self, delta: m.OutputDelta) -> None:
         comp = self.completions[delta.index]
@@ -56,6 +67,8 @@ class _Stream:
             comp.logprobs.extend(m.decode_logprobs(p) for p in delta.new_logprobs)
         if delta.finish_reason is not None:
             comp.finish_reason, comp.stop_reason = delta.finish_reason, delta.stop_reason
+        if delta.error is not None:
+            self.error = delta.error
         if delta.num_cached_tokens:
             self.num_cached_tokens = delta.num_cached_tokens
         if delta.prompt_logprobs is not None:
@@ -81,7 +94,8 @@ class AsyncEngineClient:
     """Talks to one engine-core process; use from a single asyncio event loop."""
 
     def __init__(self, proc, ctx: zmq.asyncio.Context, in_sock, out_sock, ready: m.ReadyMsg,
-                 tmpdir: str, tokenizer) -> None:
+                 tmpdir: str, tokenizer, heartbeat_timeout: float = HEARTBEAT_TIMEOUT_S
+                 ) -> None:
         self._proc, self._ctx, self._in, self._out = proc, ctx, in_sock, out_sock
         self._tmpdir = tmpdir
         self.ready = ready
@@ -96,12 +110,16 @@ class AsyncEngineClient:
         self._stats = m.StatsMsg(num_blocks=ready.num_kv_blocks,
                                  num_free_blocks=ready.num_kv_blocks)
         self._dead: str | None = None  # why the engine is unusable, once it is
+        self._failed = asyncio.Event()  # set when it died by failure (not by shutdown)
+        self._heartbeat_timeout = heartbeat_timeout
+        self._last_heard = time.monotonic()
         self._closed = False
         self._reader = asyncio.create_task(self._read_loop(), name="heron-engine-reader")
 
     # ---- lifecycle -----------------------------------------------------------------------
     @classmethod
-    async def start(cls, config: EngineConfig, startup_timeout: float = 300) -> AsyncEngineClient:
+    async def start(cls, config: EngineConfig, startup_timeout: float = 300,
+                    heartbeat_timeout: float = HEARTBEAT_TIMEOUT_S) -> AsyncEngineClient:
         """Spawn the core, wait for it to be ready; RuntimeError if it fails to start."""
         tmpdir = tempfile.mkdtemp(prefix="heron-ipc-")
         ctx = zmq.asyncio.Context()
@@ -125,7 +143,7 @@ class AsyncEngineClient:
             _stop_process(proc, 0)
             _close(ctx, in_sock, out_sock, tmpdir)
             raise
-        return cls(proc, ctx, in_sock, out_sock, ready, tmpdir, tokenizer)
+        return cls(proc, ctx, in_sock, out_sock, ready, tmpdir, tokenizer, heartbeat_timeout)
 
     async def shutdown(self, timeout: float = 10.0) -> None:
         """Ask the core to exit, wait up to ``timeout`` s, then terminate it; idempotent."""
@@ -153,6 +171,16 @@ class AsyncEngineClient:
         return self._dead is None and self._proc.is_alive()
 
     @property
+    def failure(self) -> str | None:
+        """Why the engine died, if it died by failure rather than by ``shutdown``."""
+        return self._dead if self._failed.is_set() else None
+
+    async def wait_failed(self) -> str:
+        """Return (the reason) once the engine has died by failure; never after a shutdown."""
+        await self._failed.wait()
+        return self._dead
+
+    @property
     def pid(self) -> int | None:
         return self._proc.pid
 
@@ -167,8 +195,9 @@ class AsyncEngineClient:
         """Yield cumulative outputs as they progress; the last has ``finished=True``.
         Requests share cached prefixes only with requests of the same ``cache_salt``.
 
-        Raises ValueError if the engine rejects the request, EngineDeadError if the core dies.
-        Closing the generator (or cancelling its consumer) before the end aborts the request.
+        Raises ValueError if the engine rejects the request, RequestFailedError if it fails
+        it mid-way, EngineDeadError if the core dies. Closing the generator (or cancelling
+        its consumer) before the end aborts the request.
         """
         if self._dead is not None:
             raise EngineDeadError(self._dead)
@@ -186,6 +215,9 @@ class AsyncEngineClient:
                 self._apply(stream, await stream.queue.get())
                 while not stream.queue.empty():  # coalesce what a slow consumer missed
                     self._apply(stream, stream.queue.get_nowait())
+                if stream.error is not None:
+                    finished = True  # the engine freed it already
+                    raise RequestFailedError(stream.error)
                 out = stream.snapshot(request_id)
                 finished = out.finished
                 yield out
@@ -221,22 +253,30 @@ class AsyncEngineClient:
         if self._dead is not None:
             raise EngineDeadError(self._dead)
         try:
-            self._in.send(self._encoder.encode(msg), zmq.NOBLOCK)
+            data = self._encoder.encode(msg)
+        except (OverflowError, TypeError) as exc:  # the edge should have refused it
+            raise ValueError(f"the request cannot be sent to the engine: {exc}") from None
+        try:
+            self._in.send(data, zmq.NOBLOCK)
         except zmq.ZMQError as exc:
             self._mark_dead(f"cannot reach the engine core: {exc}")
             raise EngineDeadError(self._dead) from exc
 
     # ---- the reader task -----------------------------------------------------------------
     async def _read_loop(self) -> None:
-        """Route every output message; notice within ~POLL_MS when the core is gone."""
+        """Route every output message; notice within ~POLL_MS when the core is gone, and
+        within ``heartbeat_timeout`` when it is frozen."""
         try:
             while self._dead is None:
-                if not await self._out.poll(POLL_MS):
-                    if not self._proc.is_alive():
-                        self._mark_dead(f"the engine core died (exit code "
-                                        f"{self._proc.exitcode})")
-                    continue
-                self._route(self._decoder.decode(await self._out.recv()))
+                if await self._out.poll(POLL_MS):
+                    self._last_heard = time.monotonic()
+                    self._route(self._decoder.decode(await self._out.recv()))
+                elif not self._proc.is_alive():
+                    self._mark_dead(f"the engine core died (exit code {self._proc.exitcode})")
+                elif time.monotonic() - self._last_heard > self._heartbeat_timeout:
+                    self._mark_dead(f"the engine core stopped responding (no heartbeat for "
+                                    f"{self._heartbeat_timeout:.0f} s); it was killed")
+                    self._proc.kill()
         except Exception as exc:  # a bug here must not leave requests hanging
             logger.exception("engine output reader failed")
             self._mark_dead(f"engine output reader failed: {exc!r}")
@@ -264,6 +304,7 @@ class AsyncEngineClient:
         self._dead = reason
         if error:
             logger.error("%s", reason)
+            self._failed.set()
         for stream in self._streams.values():
             stream.queue.put_nowait(EngineDeadError(reason))
 

@@ -21,6 +21,8 @@ import zmq
 from heron.config import EngineConfig
 from heron.engine import messages as m
 from heron.engine.detokenizer import stream_safe_end
+from heron.engine.heartbeat import HeartbeatThread
+from heron.engine.isolation import describe
 from heron.engine.kv_events import KVEventPublisher
 from heron.outputs import RequestOutput
 
@@ -69,7 +71,7 @@ class EngineCore:
             if not keep_going:
                 return
             if self.engine.has_unfinished_requests():
-                deltas += [d for out in self.engine.step() for d in self._deltas(out)]
+                deltas += [d for out in self.engine.step() for d in self._safe_deltas(out)]
             if self.kv_events is not None:
                 self.kv_events.publish(self.engine.take_kv_events())
             if deltas or changed or time.monotonic() - self.last_send >= STATS_INTERVAL_S:
@@ -118,6 +120,18 @@ class EngineCore:
         return self._deltas(out) if out is not None else []
 
     # ---- output --------------------------------------------------------------------------
+    def _safe_deltas(self, out: RequestOutput) -> list[m.OutputDelta]:
+        """``_deltas``, or, if building them raises, that request aborted with an error."""
+        try:
+            return self._deltas(out)
+        except Exception as exc:  # noqa: BLE001 - one request's output must not stop the core
+            logger.exception("output of request %s failed", out.request_id)
+            self.engine.abort_request(out.request_id)
+            self.sent.pop(out.request_id, None)
+            self.counters["finished"] += 1
+            return [m.OutputDelta(out.request_id, c.index, [], finish_reason="error",
+                                  error=describe(exc)) for c in out.outputs]
+
     def _deltas(self, out: RequestOutput) -> list[m.OutputDelta]:
         """The new part of ``out``, one delta per completion that changed (or finished)."""
         sent = self.sent.get(out.request_id)
@@ -151,8 +165,9 @@ class EngineCore:
         logprobs = None
         if comp.logprobs is not None:
             logprobs = [m.encode_logprobs(p) for p in comp.logprobs[n_tok:]]
+        error = out.error if comp.finish_reason == "error" else None
         return m.OutputDelta(out.request_id, comp.index, new_tokens, comp.text[n_text:end],
-                             logprobs, comp.finish_reason, comp.stop_reason,
+                             logprobs, comp.finish_reason, comp.stop_reason, error,
                              **_metrics_fields(out))
 
     def _stats(self) -> m.StatsMsg:
@@ -207,6 +222,8 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str) -> 
     out_sock = _connect(ctx, zmq.PUSH, output_addr)
     encoder = msgspec.msgpack.Encoder()
     kv_events = None
+    heartbeat = HeartbeatThread(ctx, output_addr)
+    heartbeat.start()
     try:
         from heron.engine.llm_engine import LLMEngine
 
@@ -225,6 +242,7 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str) -> 
             pass
         raise SystemExit(1) from exc
     finally:
+        heartbeat.stop()
         if kv_events is not None:
             kv_events.close()
         in_sock.close()

@@ -6,7 +6,9 @@ Two one-way ZMQ channels, both bound by the API side:
   ``Shutdown``.
 * output (core -> API, PUSH/PULL): ``ReadyMsg`` once, then ``OutputsMsg`` per step (and at
   least every ~0.5 s while idle, for fresh stats), ``ErrorMsg`` for rejected requests
-  (``request_id`` set) or a fatal core error (``request_id`` None; the core then exits).
+  (``request_id`` set) or a fatal core error (``request_id`` None; the core then exits), and
+  a ``Heartbeat`` every second from a thread of its own, also while a long step runs: when
+  they stop, the core is frozen or gone.
 
 Nothing is pickled: every field is a plain msgpack type. ``OutputDelta`` carries only what is
 new since the previous delta of the same (request, completion index); the client accumulates.
@@ -89,8 +91,9 @@ class OutputDelta(msgspec.Struct, array_like=True, omit_defaults=True):
     new_token_ids: list[int]
     new_text: str = ""  # text safe to stream (a possible stop-string prefix is held back)
     new_logprobs: list[WireLogprobs] | None = None  # one entry per new token, if requested
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None
+    error: str | None = None  # with finish_reason "error": why the engine failed the request
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (first delta)
     prompt_logprobs: list[WireLogprobs | None] | None = None  # only on a request's first delta
@@ -111,7 +114,11 @@ class ErrorMsg(msgspec.Struct, tag=True):
     message: str
 
 
-OutputMsg = Union[ReadyMsg, OutputsMsg, ErrorMsg]
+class Heartbeat(msgspec.Struct, tag=True):
+    timestamp: float  # time.monotonic() in the core when sent
+
+
+OutputMsg = Union[ReadyMsg, OutputsMsg, ErrorMsg, Heartbeat]
 
 
 # ---- conversions ------------------------------------------------------------------------------

@@ -122,6 +122,10 @@ def _serve_parser(sub) -> None:
                    help="admitted requests beyond this get 429")
     g.add_argument("--max-queued-tokens", type=int, default=None,
                    help="admitted prompt tokens beyond this get 429")
+    g.add_argument("--max-queued-sequences", type=int, default=1024,
+                   help="admitted sequences (prompts x n) beyond this get 429")
+    g.add_argument("--max-sequences-per-request", type=int, default=256,
+                   help="a request with more sequences (prompts x n) gets 400")
     g.add_argument("--cost-per-gpu-hour", type=float, default=None,
                    help="publish heron:cost_per_million_tokens_dollars")
     g.add_argument("--kv-events-endpoint", default=None, metavar="ADDR",
@@ -148,7 +152,10 @@ def _serve(args) -> int:
     settings = ServerSettings(
         served_model_name=args.served_model_name or model or "SmolLM2-135M-Instruct",
         api_key=args.api_key, max_queued_requests=args.max_queued_requests,
-        max_queued_tokens=args.max_queued_tokens, cost_per_gpu_hour=args.cost_per_gpu_hour)
+        max_queued_tokens=args.max_queued_tokens,
+        max_queued_sequences=args.max_queued_sequences,
+        max_sequences_per_request=args.max_sequences_per_request,
+        cost_per_gpu_hour=args.cost_per_gpu_hour)
     return run(config, settings, args.host, args.port)
 
 

@@ -1,7 +1,8 @@
 """Admission control: refuse work (HTTP 429 + Retry-After) when the server's queue is full.
 
 What counts as *queued*: every request the server has admitted and not yet released, i.e.
-admitted and not finished (waiting in the engine or running). The server calls
+admitted and not finished (waiting in the engine or running); limits apply to their number,
+their prompt tokens and their sequences (prompts x n: one request can carry many). The server calls
 :meth:`AdmissionController.try_admit` before handing a request to the engine and
 :meth:`AdmissionController.release` exactly once when it leaves: finished, failed, or aborted
 (client disconnect). :meth:`AdmissionController.admitted` pairs the two as a context manager
@@ -42,12 +43,15 @@ class AdmissionController:
     prompt longer than ``max_queued_tokens`` cannot be refused forever."""
 
     def __init__(self, max_queued_requests: Optional[int] = None,
-                 max_queued_tokens: Optional[int] = None, *, half_life_s: float = 10.0,
+                 max_queued_tokens: Optional[int] = None, *,
+                 max_queued_sequences: Optional[int] = None, half_life_s: float = 10.0,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.max_queued_requests = max_queued_requests or None
         self.max_queued_tokens = max_queued_tokens or None
+        self.max_queued_sequences = max_queued_sequences or None
         self.queued_requests = 0
         self.queued_tokens = 0
+        self.queued_sequences = 0
         self._tau = half_life_s / math.log(2)
         self._clock = clock
         self._last = clock()
@@ -57,54 +61,64 @@ class AdmissionController:
 
     # ------------------------------------------------------------ admission
 
-    def try_admit(self, num_prompt_tokens: int) -> None:
+    def try_admit(self, num_prompt_tokens: int, num_sequences: int = 1) -> None:
         """Count the request as queued, or raise :class:`Overloaded`."""
         self._advance()
         if self.queued_requests > 0:
-            excess_req, excess_tok = self._excess(num_prompt_tokens)
+            excess_req, excess_tok = self._excess(num_prompt_tokens, num_sequences)
             if excess_req > 0 or excess_tok > 0:
                 raise Overloaded(self.retry_after(excess_req, excess_tok), self._why(
-                    excess_req))
+                    excess_req, excess_tok))
         self.queued_requests += 1
         self.queued_tokens += num_prompt_tokens
+        self.queued_sequences += num_sequences
 
-    def release(self, num_prompt_tokens: int) -> None:
+    def release(self, num_prompt_tokens: int, num_sequences: int = 1) -> None:
         """The request left the server (finished, failed or aborted): free its room."""
         self._advance()
         if self.queued_requests <= 0:
             raise RuntimeError("release() without a matching try_admit()")
         self.queued_requests -= 1
         self.queued_tokens = max(0, self.queued_tokens - num_prompt_tokens)
+        self.queued_sequences = max(0, self.queued_sequences - num_sequences)
         self._drained_requests += 1.0
         self._drained_tokens += num_prompt_tokens
 
-    def admit(self, num_prompt_tokens: int) -> "Admission":
+    def admit(self, num_prompt_tokens: int, num_sequences: int = 1) -> "Admission":
         """:meth:`try_admit`, returning a handle whose ``release()`` is idempotent."""
-        self.try_admit(num_prompt_tokens)
-        return Admission(self, num_prompt_tokens)
+        self.try_admit(num_prompt_tokens, num_sequences)
+        return Admission(self, num_prompt_tokens, num_sequences)
 
     @contextlib.contextmanager
-    def admitted(self, num_prompt_tokens: int) -> Iterator["Admission"]:
+    def admitted(self, num_prompt_tokens: int, num_sequences: int = 1
+                 ) -> Iterator["Admission"]:
         """``with controller.admitted(n): ...`` admits, and always releases on exit."""
-        handle = self.admit(num_prompt_tokens)
+        handle = self.admit(num_prompt_tokens, num_sequences)
         try:
             yield handle
         finally:
             handle.release()
 
-    def _excess(self, num_prompt_tokens: int) -> tuple[int, int]:
-        """(requests, tokens) that must drain before this request fits."""
+    def _excess(self, num_prompt_tokens: int, num_sequences: int = 1) -> tuple[int, int]:
+        """(requests, tokens) that must drain before this request fits; sequences over their
+        limit count as requests (each request holds at least one)."""
         req = tok = 0
         if self.max_queued_requests is not None:
             req = self.queued_requests + 1 - self.max_queued_requests
+        if self.max_queued_sequences is not None:
+            req = max(req, self.queued_sequences + num_sequences - self.max_queued_sequences)
         if self.max_queued_tokens is not None:
             tok = self.queued_tokens + num_prompt_tokens - self.max_queued_tokens
         return max(0, req), max(0, tok)
 
-    def _why(self, excess_req: int) -> str:
-        if excess_req > 0:
+    def _why(self, excess_req: int, excess_tok: int = 0) -> str:
+        if self.max_queued_requests is not None and \
+                self.queued_requests >= self.max_queued_requests:
             return (f"server overloaded: {self.queued_requests} requests queued "
                     f"(limit {self.max_queued_requests})")
+        if excess_req > 0:
+            return (f"server overloaded: {self.queued_sequences} sequences queued "
+                    f"(limit {self.max_queued_sequences})")
         return (f"server overloaded: {self.queued_tokens} prompt tokens queued "
                 f"(limit {self.max_queued_tokens})")
 
@@ -151,12 +165,14 @@ class AdmissionController:
 class Admission:
     """An admitted request's handle; ``release()`` only counts once."""
 
-    def __init__(self, controller: AdmissionController, num_prompt_tokens: int) -> None:
+    def __init__(self, controller: AdmissionController, num_prompt_tokens: int,
+                 num_sequences: int = 1) -> None:
         self._controller = controller
         self.num_prompt_tokens = num_prompt_tokens
+        self.num_sequences = num_sequences
         self.released = False
 
     def release(self) -> None:
         if not self.released:
             self.released = True
-            self._controller.release(self.num_prompt_tokens)
+            self._controller.release(self.num_prompt_tokens, self.num_sequences)

@@ -1,22 +1,38 @@
-"""The FastAPI application: OpenAI routes, auth, body limits, draining, error shapes."""
+"""The FastAPI application: OpenAI routes, error shapes, the state every route shares.
+
+Auth, draining, engine liveness and body limits are checked before routing by
+``guards.GuardMiddleware``; routes parse their bodies strictly (``protocol.parse_request``)
+and run tokenizers off the event loop (``ServerState.run_blocking``).
+"""
 
 from __future__ import annotations
 
+import asyncio
+import functools
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError as PydanticRequestError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import PlainTextResponse, Response
+from starlette.exceptions import HTTPException
 
 import heron
-from heron.engine.async_client import EngineDeadError
+from heron.engine.async_client import EngineDeadError, RequestFailedError
 from heron.server.admission import AdmissionController, Overloaded
-from heron.server.errors import RequestValidationError, error_body, pydantic_error_message
+from heron.server.errors import RequestValidationError, pydantic_error_message
+from heron.server.guards import GuardMiddleware, error_response
 from heron.server.metrics import ServerMetrics
-from heron.server.protocol import ChatCompletionRequest, CompletionRequest
-from heron.server.responses import ModelCard, ModelList
+from heron.server.openapi import SSE_OR_JSON, error_responses, install_openapi, json_body
+from heron.server.protocol import ChatCompletionRequest, CompletionRequest, parse_request
+from heron.server.responses import ChatCompletionResponse, CompletionResponse, ModelCard, \
+    ModelList
 from heron.server.serving_chat import create_chat_completion
 from heron.server.serving_completions import create_completion
+from heron.server.tokenizer_routes import (DetokenizeRequest, TokenizeRequest,
+                                           install_tokenizer_routes)
+
+TOKENIZER_THREADS = 2  # tokenization and chat templates run here, never on the event loop
 
 
 @dataclass
@@ -25,6 +41,8 @@ class ServerSettings:
     api_key: str | None = None
     max_queued_requests: int | None = 256
     max_queued_tokens: int | None = None
+    max_queued_sequences: int | None = 1024  # prompts x n of every admitted request
+    max_sequences_per_request: int = 256  # prompts x n of one request
     max_body_bytes: int = 4 * 1024 * 1024
     cost_per_gpu_hour: float | None = None
 
@@ -37,69 +55,59 @@ class ServerState:
         self.settings = settings
         self.model_name = settings.served_model_name
         self.admission = AdmissionController(settings.max_queued_requests,
-                                             settings.max_queued_tokens)
+                                             settings.max_queued_tokens,
+                                             max_queued_sequences=settings.max_queued_sequences)
         self.metrics = ServerMetrics(cost_per_gpu_hour=settings.cost_per_gpu_hour)
         self.draining = False
+        self._executor = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="heron-tok")
 
-    def admit(self, num_tokens: int):
+    def admit(self, num_tokens: int, num_sequences: int = 1):
         try:
-            return self.admission.admit(num_tokens)
+            return self.admission.admit(num_tokens, num_sequences)
         except Overloaded:
             self.metrics.record_rejection("429")
             raise
 
-
-def _error(status: int, message: str, type_: str, param=None, headers=None) -> JSONResponse:
-    return JSONResponse(error_body(message, type_, param, status), status_code=status,
-                        headers=headers)
+    async def run_blocking(self, fn, *args):
+        """Run ``fn(*args)`` (tokenizing, templating) on the tokenizer threads."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, functools.partial(fn, *args))
 
 
 def _install_error_handlers(app: FastAPI, state: ServerState) -> None:
     @app.exception_handler(RequestValidationError)
     async def _ours(_, exc: RequestValidationError):
         state.metrics.record_rejection("400")
-        return JSONResponse(exc.to_body(), status_code=400)
+        return error_response(400, exc.message, exc.type, exc.param)
 
     @app.exception_handler(PydanticRequestError)
     async def _pydantic(_, exc: PydanticRequestError):
         state.metrics.record_rejection("400")
         message, param = pydantic_error_message(exc.errors())
-        return _error(400, message, "invalid_request_error", param)
+        return error_response(400, message, "invalid_request_error", param)
 
     @app.exception_handler(ValueError)
-    async def _value(_, exc: ValueError):
+    async def _value(_, exc: ValueError):  # the engine refused the request
         state.metrics.record_rejection("400")
-        return _error(400, str(exc), "invalid_request_error")
+        return error_response(400, str(exc), "invalid_request_error")
+
+    @app.exception_handler(HTTPException)
+    async def _http(_, exc: HTTPException):  # 404, 405, ...
+        return error_response(exc.status_code, str(exc.detail), "invalid_request_error",
+                              headers=getattr(exc, "headers", None))
 
     @app.exception_handler(Overloaded)
     async def _overloaded(_, exc: Overloaded):
-        return _error(429, str(exc), "rate_limit_exceeded",
-                      headers={"Retry-After": str(exc.retry_after_seconds)})
+        return error_response(429, str(exc), "rate_limit_exceeded",
+                              headers={"Retry-After": str(exc.retry_after_seconds)})
+
+    @app.exception_handler(RequestFailedError)
+    async def _failed(_, exc: RequestFailedError):
+        return error_response(500, f"the engine failed this request: {exc}", "server_error")
 
     @app.exception_handler(EngineDeadError)
     async def _dead(_, exc: EngineDeadError):
-        return _error(503, f"the engine is not running: {exc}", "service_unavailable")
-
-
-def _install_guards(app: FastAPI, state: ServerState) -> None:
-    @app.middleware("http")
-    async def guards(request: Request, call_next):
-        path = request.url.path
-        if path.startswith("/v1/") or path in ("/tokenize", "/detokenize",
-                                               "/reset_prefix_cache"):
-            key = state.settings.api_key
-            if key and request.headers.get("authorization") != f"Bearer {key}":
-                return _error(401, "invalid or missing API key", "authentication_error")
-            if state.draining:
-                return _error(503, "the server is shutting down", "service_unavailable")
-            if not state.client.is_alive():
-                return _error(503, "the engine is not running", "service_unavailable")
-            length = request.headers.get("content-length")
-            if length and int(length) > state.settings.max_body_bytes:
-                state.metrics.record_rejection("413")
-                return _error(413, f"request body over {state.settings.max_body_bytes} bytes",
-                              "invalid_request_error")
-        return await call_next(request)
+        return error_response(503, f"the engine is not running: {exc}", "service_unavailable")
 
 
 def build_app(client, settings: ServerSettings) -> FastAPI:
@@ -107,73 +115,71 @@ def build_app(client, settings: ServerSettings) -> FastAPI:
     state = ServerState(client, settings)
     app.state.heron = state
     _install_error_handlers(app, state)
-    _install_guards(app, state)
+    app.add_middleware(GuardMiddleware, state=state)
+    _install_ops_routes(app, state)
+    _install_openai_routes(app, state)
+    install_tokenizer_routes(app, state)
+    install_openapi(app, [CompletionRequest, ChatCompletionRequest, TokenizeRequest,
+                          DetokenizeRequest])
+    return app
 
-    @app.get("/health")
+
+def _install_ops_routes(app: FastAPI, state: ServerState) -> None:
+    client = state.client
+
+    @app.api_route("/health", methods=["GET", "HEAD"], responses=error_responses(503))
     async def health():
         if not client.is_alive():
-            return _error(503, "the engine is not running", "service_unavailable")
+            return error_response(503, "the engine is not running", "service_unavailable")
         return {"status": "ok"}
 
     @app.get("/version")
     async def version():
         return {"version": heron.__version__}
 
-    @app.get("/v1/models")
-    async def models():
-        return ModelList(data=[ModelCard(id=state.model_name,
-                                         max_model_len=client.max_model_len)])
-
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse, responses={200: {"content": {
+        "application/openmetrics-text": {"schema": {"type": "string"}}}}})
     async def metrics(request: Request):
         if client.is_alive():
             state.metrics.update_engine_stats(client.stats())
         body, content_type = state.metrics.render(request.headers.get("accept"))
         return Response(body, media_type=content_type)
 
-    @app.get("/stats")
+    @app.get("/stats", responses=error_responses(401))
     async def stats():
         """Engine stats as JSON (KV blocks, queues, preemptions) plus the core's pid."""
-        return {**client.stats(), "engine_pid": client.pid, "engine_alive": client.is_alive()}
+        admission = state.admission
+        return {**client.stats(), "engine_pid": client.pid, "engine_alive": client.is_alive(),
+                "admitted_requests": admission.queued_requests,
+                "admitted_sequences": admission.queued_sequences,
+                "admitted_prompt_tokens": admission.queued_tokens}
 
-    @app.post("/reset_prefix_cache")
+    @app.post("/reset_prefix_cache", responses=error_responses(401, 503))
     async def reset_prefix_cache():
         """Admin: free every cached KV block no request uses (before any later request)."""
         client.reset_prefix_cache()
         return {"status": "ok"}
 
-    @app.post("/v1/completions")
-    async def completions(req: CompletionRequest, request: Request):
+
+_GENERATION_ERRORS = error_responses(400, 401, 413, 415, 429, 500, 503)
+
+
+def _install_openai_routes(app: FastAPI, state: ServerState) -> None:
+    @app.get("/v1/models", response_model=ModelList, responses=error_responses(401, 503))
+    async def models():
+        return ModelList(data=[ModelCard(id=state.model_name,
+                                         max_model_len=state.client.max_model_len)])
+
+    @app.post("/v1/completions", response_model=CompletionResponse,
+              responses={200: SSE_OR_JSON, **_GENERATION_ERRORS},
+              openapi_extra=json_body(CompletionRequest))
+    async def completions(request: Request):
+        req = parse_request(CompletionRequest, await request.body())
         return await create_completion(req, request, state)
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(req: ChatCompletionRequest, request: Request):
+    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse,
+              responses={200: SSE_OR_JSON, **_GENERATION_ERRORS},
+              openapi_extra=json_body(ChatCompletionRequest))
+    async def chat_completions(request: Request):
+        req = parse_request(ChatCompletionRequest, await request.body())
         return await create_chat_completion(req, request, state)
-
-    _install_tokenizer_routes(app, state)
-    return app
-
-
-def _install_tokenizer_routes(app: FastAPI, state: ServerState) -> None:
-    from heron.server.serving_chat import apply_template
-
-    @app.post("/tokenize")
-    async def tokenize(body: dict):
-        tokenizer = state.client.tokenizer
-        if "messages" in body:
-            ids = apply_template(tokenizer, ChatCompletionRequest(messages=body["messages"]))
-        elif isinstance(body.get("prompt"), str):
-            ids = tokenizer(body["prompt"]).input_ids
-        else:
-            raise RequestValidationError("give 'prompt' (a string) or 'messages'", "prompt")
-        return {"tokens": ids, "count": len(ids), "max_model_len": state.client.max_model_len}
-
-    @app.post("/detokenize")
-    async def detokenize(body: dict):
-        tokens = body.get("tokens")
-        if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
-            raise RequestValidationError("'tokens' must be a list of token ids", "tokens")
-        vocab = state.client.vocab_size
-        if any(not 0 <= t < vocab for t in tokens):
-            raise RequestValidationError(f"token ids must be in [0, {vocab})", "tokens")
-        return {"prompt": state.client.tokenizer.decode(tokens)}

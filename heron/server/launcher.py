@@ -61,24 +61,39 @@ async def log_engine_stats(client, interval: float = STATS_INTERVAL_S) -> None:
         last = now
 
 
+async def exit_on_engine_failure(client, server: uvicorn.Server, state) -> None:
+    """When the engine dies or freezes: refuse new work (503), let open responses end (their
+    streams get an error event), then stop the server, which then exits non-zero."""
+    reason = await client.wait_failed()
+    logger.error("engine failed (%s): draining open requests, then exiting with status 1",
+                 reason)
+    state.draining = True
+    server.should_exit = True
+
+
 async def serve(config: EngineConfig, settings: ServerSettings, host: str, port: int,
-                grace_period_s: float = 30.0) -> None:
-    """Run until SIGINT/SIGTERM; in-flight requests get ``grace_period_s`` to finish."""
+                grace_period_s: float = 30.0) -> int:
+    """Run until SIGINT/SIGTERM (exit status 0) or an engine failure (1); in-flight requests
+    get ``grace_period_s`` to finish."""
     client = await AsyncEngineClient.start(config)
     try:
         app = build_app(client, settings)
         stats = client.stats()
         logger.info("heron serving %s (%s) on http://%s:%d  KV blocks: %s, max_model_len %d",
-                       settings.served_model_name, config.dtype, host, port,
-                       stats.get("num_blocks"), client.max_model_len)
+                    settings.served_model_name, config.dtype, host, port,
+                    stats.get("num_blocks"), client.max_model_len)
         server = _Server(uvicorn.Config(
             app, host=host, port=port, log_level="warning",
             timeout_graceful_shutdown=int(grace_period_s)), app.state.heron)
-        stats_task = asyncio.ensure_future(log_engine_stats(client))
+        watchers = [asyncio.ensure_future(log_engine_stats(client)),
+                    asyncio.ensure_future(exit_on_engine_failure(client, server,
+                                                                 app.state.heron))]
         try:
             await server.serve()
         finally:
-            stats_task.cancel()
+            for task in watchers:
+                task.cancel()
+        return 1 if client.failure is not None else 0
     finally:
         with contextlib.suppress(Exception):
             await client.shutdown()
@@ -86,5 +101,4 @@ async def serve(config: EngineConfig, settings: ServerSettings, host: str, port:
 
 def run(config: EngineConfig, settings: ServerSettings, host: str, port: int) -> int:
     logging.getLogger("heron").setLevel(logging.INFO)
-    asyncio.run(serve(config, settings, host, port))
-    return 0
+    return asyncio.run(serve(config, settings, host, port))

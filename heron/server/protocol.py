@@ -10,22 +10,52 @@ Type errors are pydantic's (the app should turn them into 400s with
 
 from __future__ import annotations
 
-from typing import Any, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, field_validator
+import pydantic
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from heron.sampling_params import MAX_LOGPROBS, MAX_N, SamplingParams
-from heron.server.errors import RequestValidationError
+from heron.sampling_params import (MAX_INT32, MAX_LOGPROBS, MAX_N, MAX_SEED, MIN_SEED,
+                                   SamplingParams)
+from heron.server.errors import RequestValidationError, pydantic_error_message
 
 MAX_STOP_STRINGS = 16
 MAX_COMPLETION_LOGPROBS = 5  # OpenAI's cap for /v1/completions
 MAX_TOP_LOGPROBS = min(20, MAX_LOGPROBS)  # OpenAI's cap for chat top_logprobs
-# Known OpenAI fields heron does not implement: refused when set rather than silently ignored.
-UNSUPPORTED_FIELDS = ("logit_bias", "suffix", "tools", "functions", "tool_choice")
+# Known OpenAI / vLLM fields heron does not implement: refused when set rather than silently
+# ignored (values that ask for the default behaviour are accepted, see _unsupported).
+UNSUPPORTED_FIELDS = ("logit_bias", "suffix", "tools", "functions", "tool_choice",
+                      "function_call", "response_format", "best_of", "use_beam_search",
+                      "length_penalty", "guided_json", "guided_regex", "guided_choice",
+                      "guided_grammar", "guided_decoding_backend", "structured_outputs",
+                      "logits_processors", "allowed_token_ids", "bad_words", "prompt_embeds",
+                      "prompt_logprobs", "truncate_prompt_tokens", "audio", "modalities",
+                      "prediction")
 
-PromptType = Union[StrictStr, list[StrictStr], list[StrictInt], list[list[StrictInt]]]
+# Typed fields: strict JSON types (no "2" or true for an int, no 1.0 for an int), finite floats,
+# integers within their real domain so nothing beyond 64 bits reaches the engine.
+TokenId = Annotated[int, Field(ge=0, le=MAX_INT32)]
+Count = Annotated[int, Field(ge=1, le=MAX_INT32)]
+PromptType = Union[str, Annotated[list[str], Field(min_length=1)],
+                   Annotated[list[TokenId], Field(min_length=1)],
+                   Annotated[list[Annotated[list[TokenId], Field(min_length=1)]],
+                             Field(min_length=1)]]
 
 
+class StrictModel(BaseModel):
+    """Request bodies: strict types, no NaN / Infinity, unknown nested fields ignored."""
+
+    model_config = ConfigDict(strict=True, allow_inf_nan=False)
+
+
+def parse_request(cls: type[pydantic.BaseModel], body: bytes):
+    """Validate a raw JSON body (jiter: lone surrogates, invalid UTF-8 and runaway nesting are
+    JSON errors); any failure raises RequestValidationError (HTTP 400)."""
+    try:
+        return cls.model_validate_json(body)
+    except pydantic.ValidationError as exc:
+        message, param = pydantic_error_message(exc.errors(include_url=False))
+        raise RequestValidationError(message, param) from None
 
 
 def _prompt_items(prompt: Any) -> list[Union[str, list[int]]]:
@@ -35,37 +65,37 @@ def _prompt_items(prompt: Any) -> list[Union[str, list[int]]]:
     return list(prompt)
 
 
-class StreamOptions(BaseModel):
+class StreamOptions(StrictModel):
     include_usage: bool = False
 
 
-class _SamplingRequest(BaseModel):
+class _SamplingRequest(StrictModel):
     """Fields shared by /v1/completions and /v1/chat/completions (unknown fields are kept in
     ``model_extra`` and ignored unless listed in UNSUPPORTED_FIELDS)."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
 
     model: Optional[str] = None
-    temperature: Optional[float] = None
-    top_p: Optional[float] = None
-    n: Optional[int] = 1  # null means 1
+    temperature: Optional[Annotated[float, Field(ge=0.0)]] = None
+    top_p: Optional[Annotated[float, Field(gt=0.0, le=1.0)]] = None
+    n: Optional[Annotated[int, Field(ge=1, le=MAX_N)]] = 1  # null means 1
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     stop: Union[str, list[str], None] = None
-    seed: Optional[int] = None
-    presence_penalty: Optional[float] = None
-    frequency_penalty: Optional[float] = None
+    seed: Optional[Annotated[int, Field(ge=MIN_SEED, le=MAX_SEED)]] = None
+    presence_penalty: Optional[Annotated[float, Field(ge=-2.0, le=2.0)]] = None
+    frequency_penalty: Optional[Annotated[float, Field(ge=-2.0, le=2.0)]] = None
     user: Optional[str] = None
     # vLLM-style extras
-    top_k: Optional[int] = None
-    min_p: Optional[float] = None
-    repetition_penalty: Optional[float] = None
-    min_tokens: int = 0
+    top_k: Optional[Annotated[int, Field(ge=-1, le=MAX_INT32)]] = None
+    min_p: Optional[Annotated[float, Field(ge=0.0, le=1.0)]] = None
+    repetition_penalty: Optional[Annotated[float, Field(gt=0.0, le=2.0)]] = None
+    min_tokens: Annotated[int, Field(ge=0, le=MAX_INT32)] = 0
     ignore_eos: bool = False
-    stop_token_ids: Optional[list[int]] = None
+    stop_token_ids: Optional[list[TokenId]] = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
-    cache_salt: Optional[StrictStr] = None  # prefix-cache namespace: no sharing across salts
+    cache_salt: Optional[str] = None  # prefix-cache namespace: no sharing across salts
 
     @field_validator("cache_salt")
     @classmethod
@@ -113,18 +143,15 @@ class CompletionRequest(_SamplingRequest):
     """POST /v1/completions."""
 
     prompt: PromptType
-    max_tokens: Optional[int] = 16
-    logprobs: Optional[int] = None
+    max_tokens: Optional[Count] = 16
+    logprobs: Optional[Annotated[int, Field(ge=0, le=MAX_COMPLETION_LOGPROBS)]] = None
     echo: bool = False
 
     @field_validator("prompt")
     @classmethod
     def _non_empty(cls, v: Any) -> Any:
-        items = _prompt_items(v)
-        if not items or any(len(p) == 0 for p in items):
+        if any(len(p) == 0 for p in _prompt_items(v)):
             raise ValueError("the prompt must not be empty")
-        if any(isinstance(p, list) and min(p) < 0 for p in items):
-            raise ValueError("token ids must be non-negative")
         return v
 
     def prompts(self) -> list[Union[str, list[int]]]:
@@ -139,12 +166,12 @@ class CompletionRequest(_SamplingRequest):
         return self._params(max_tokens, self.logprobs, prompt_logprobs)
 
 
-class TextContentPart(BaseModel):
+class TextContentPart(StrictModel):
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(BaseModel):
+class ChatMessage(StrictModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[str, list[TextContentPart], None] = None
     name: Optional[str] = None
@@ -160,10 +187,10 @@ class ChatCompletionRequest(_SamplingRequest):
     """POST /v1/chat/completions."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: Optional[int] = None
-    max_completion_tokens: Optional[int] = None
+    max_tokens: Optional[Count] = None
+    max_completion_tokens: Optional[Count] = None
     logprobs: bool = False
-    top_logprobs: Optional[int] = None
+    top_logprobs: Optional[Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)]] = None
     add_generation_prompt: bool = True
 
     def conversation(self) -> list[dict[str, str]]:
@@ -196,15 +223,16 @@ def validate_limits(req: _SamplingRequest, max_stop_strings: int = MAX_STOP_STRI
     """Server-side limits beyond SamplingParams' own checks; raises RequestValidationError."""
     n = 1 if req.n is None else req.n
     _check(1 <= n <= MAX_N, f"n must be in [1, {MAX_N}], got {n}", "n")
-    _check(req.seed is None or -2**63 <= req.seed < 2**64,
+    _check(req.seed is None or MIN_SEED <= req.seed <= MAX_SEED,
            "seed must fit in 64 bits", "seed")
     n_stop = len(req.stop_list)
     _check(n_stop <= max_stop_strings,
            f"at most {max_stop_strings} stop strings are allowed, got {n_stop}", "stop")
     _check(req.stream or req.stream_options is None,
            "stream_options is only allowed when stream is true", "stream_options")
-    for name in UNSUPPORTED_FIELDS:
-        _check(not (req.model_extra or {}).get(name), f"{name} is not supported", name)
+    for name, value in (req.model_extra or {}).items():
+        _check(name not in UNSUPPORTED_FIELDS or _asks_for_default(name, value, n),
+               f"{name} is not supported by this server", name)
     if isinstance(req, CompletionRequest) and req.logprobs is not None:
         _check(0 <= req.logprobs <= MAX_COMPLETION_LOGPROBS,
                f"logprobs must be in [0, {MAX_COMPLETION_LOGPROBS}], got {req.logprobs}",
@@ -216,4 +244,17 @@ def validate_limits(req: _SamplingRequest, max_stop_strings: int = MAX_STOP_STRI
         _check(req.logprobs, "logprobs must be true when top_logprobs is set", "logprobs")
 
 
-# ---------------------------------------------------------------- responses
+def _asks_for_default(name: str, value: Any, n: int) -> bool:
+    """Values of unsupported fields that request what heron does anyway: unset, empty,
+    ``response_format: {"type": "text"}``, ``best_of`` equal to n, no beam search."""
+    if value is None or value == [] or value == {} or value is False:
+        return True
+    if name == "response_format":
+        return value == {"type": "text"}
+    if name == "best_of":
+        return type(value) is int and value == n
+    if name == "tool_choice":
+        return value == "none"
+    if name == "length_penalty":  # only meaningful with beam search
+        return value == 1
+    return False

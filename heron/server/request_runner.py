@@ -34,6 +34,24 @@ def check_length(prompt_ids: list[int], params: SamplingParams, max_model_len: i
             f"the model's context of {max_model_len} tokens", "max_tokens")
 
 
+def check_request(state, prompts: list[list[int]], params: SamplingParams) -> None:
+    """Everything the engine would refuse, refused here first (HTTP 400): context length,
+    token ids outside the vocabulary, more sequences (prompts x n) than one request may have."""
+    limit = state.settings.max_sequences_per_request
+    if len(prompts) * params.n > limit:
+        raise RequestValidationError(
+            f"{len(prompts)} prompts x n={params.n} is {len(prompts) * params.n} sequences; "
+            f"at most {limit} are allowed per request", "n" if len(prompts) == 1 else "prompt")
+    vocab = state.client.vocab_size
+    for ids in prompts:
+        check_length(ids, params, state.client.max_model_len)
+        if max(ids) >= vocab:
+            raise RequestValidationError(f"prompt token ids must be in [0, {vocab})", "prompt")
+    if any(t >= vocab for t in params.stop_token_ids):
+        raise RequestValidationError(f"stop_token_ids must be in [0, {vocab})",
+                                     "stop_token_ids")
+
+
 async def stream_outputs(state, request_id: str, prompt_ids: list[int], params: SamplingParams,
                          cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
     """Yield cumulative outputs; record metrics once the request ends."""
@@ -69,26 +87,33 @@ def _observe(metrics, out: RequestOutput, token_times: list[float]) -> None:
                 completion, first - arrival, tpot, reason)
 
 
-async def run_to_completion(http_request: Request, outputs: AsyncIterator[RequestOutput]
-                            ) -> RequestOutput | None:
-    """Drain ``outputs``; returns None (and aborts) if the HTTP client disconnects first."""
+async def run_all_to_completion(http_request: Request,
+                                streams: list[AsyncIterator[RequestOutput]]
+                                ) -> list[RequestOutput] | None:
+    """Drain every stream; their final outputs, or None (all aborted) if the HTTP client
+    disconnects first. If one stream fails, the others are aborted and the error raised."""
 
-    async def drain():
+    async def drain(outputs):
         final = None
         async for out in outputs:
             final = out
         return final
 
-    task = asyncio.ensure_future(drain())
+    tasks = [asyncio.ensure_future(drain(s)) for s in streams]
     try:
         while True:
-            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
-            if done:
-                return task.result()
+            done, pending = await asyncio.wait(tasks, timeout=DISCONNECT_POLL_S,
+                                               return_when=asyncio.FIRST_EXCEPTION)
+            failed = [t for t in done if not t.cancelled() and t.exception() is not None]
+            if failed:
+                raise failed[0].exception()
+            if not pending:
+                return [t.result() for t in tasks]
             if await http_request.is_disconnected():
-                task.cancel()
                 return None
     finally:
-        if not task.done():
+        for task in tasks:
             task.cancel()
-        await outputs.aclose()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for s in streams:
+            await s.aclose()

@@ -12,8 +12,9 @@ from heron.server.responses import (ChatChoiceLogprobs, ChatCompletionChoice,
                                     ChatCompletionResponse, ChatCompletionStreamChoice,
                                     ChatCompletionStreamResponse, ChatResponseMessage,
                                     DeltaMessage, Usage, random_id)
-from heron.server.request_runner import check_length, run_to_completion, stream_outputs
-from heron.server.sse import StreamCursor, sse_done, sse_event
+from heron.server.request_runner import (check_request, run_all_to_completion,
+                                         stream_outputs)
+from heron.server.sse import StreamCursor, sse_done, sse_event, with_error_event
 
 
 def apply_template(tokenizer, req: ChatCompletionRequest) -> list[int]:
@@ -30,20 +31,21 @@ def apply_template(tokenizer, req: ChatCompletionRequest) -> list[int]:
 async def create_chat_completion(req: ChatCompletionRequest, http_request: Request, state):
     tokenizer = state.client.tokenizer
     params = req.to_sampling_params(default_max_tokens=None)
-    prompt = apply_template(tokenizer, req)
-    check_length(prompt, params, state.client.max_model_len)
-    admission = state.admit(len(prompt) * params.n)
+    prompt = await state.run_blocking(apply_template, tokenizer, req)
+    check_request(state, [prompt], params)
+    admission = state.admit(len(prompt) * params.n, params.n)
     request_id = random_id("chatcmpl")
     outputs = stream_outputs(state, request_id, prompt, params, req.cache_salt)
     if req.stream:
-        return StreamingResponse(_stream(req, state, request_id, prompt, outputs, admission),
-                                 media_type="text/event-stream")
+        events = _stream(req, state, request_id, prompt, outputs, admission)
+        return StreamingResponse(with_error_event(events), media_type="text/event-stream")
     try:
-        final = await run_to_completion(http_request, outputs)
+        finals = await run_all_to_completion(http_request, [outputs])
     finally:
         admission.release()
-    if final is None:
+    if finals is None:
         return JSONResponse({}, status_code=499)
+    final = finals[0]
     k = req.top_logprobs or 0
     choices = [ChatCompletionChoice(
         index=c.index, message=ChatResponseMessage(content=c.text),

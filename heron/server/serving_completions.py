@@ -14,28 +14,32 @@ from heron.server.logprobs_format import completion_logprobs
 from heron.server.protocol import CompletionRequest
 from heron.server.responses import (CompletionChoice, CompletionResponse,
                                     CompletionStreamResponse, Usage, random_id)
-from heron.server.request_runner import check_length, run_to_completion, stream_outputs
-from heron.server.sse import StreamCursor, sse_done, sse_event
+from heron.server.request_runner import (check_request, run_all_to_completion,
+                                         stream_outputs)
+from heron.server.sse import StreamCursor, sse_done, sse_event, with_error_event
+
+
+def _token_ids(tokenizer, prompts) -> list[list[int]]:
+    return [tokenizer(p).input_ids if isinstance(p, str) else list(p) for p in prompts]
 
 
 async def create_completion(req: CompletionRequest, http_request: Request, state):
     tokenizer = state.client.tokenizer
     params = req.to_sampling_params(default_max_tokens=None)
-    prompts = [tokenizer(p).input_ids if isinstance(p, str) else list(p) for p in req.prompts()]
-    for ids in prompts:
-        check_length(ids, params, state.client.max_model_len)
-    admission = state.admit(sum(len(p) for p in prompts) * params.n)
+    prompts = await state.run_blocking(_token_ids, tokenizer, req.prompts())
+    check_request(state, prompts, params)
+    admission = state.admit(sum(len(p) for p in prompts) * params.n, len(prompts) * params.n)
     base_id = random_id("cmpl")
     streams = [stream_outputs(state, f"{base_id}-{i}", ids, params, req.cache_salt)
                for i, ids in enumerate(prompts)]
     if req.stream:
-        return StreamingResponse(_stream(req, state, base_id, prompts, streams, admission),
-                                 media_type="text/event-stream")
+        events = _stream(req, state, base_id, prompts, streams, admission)
+        return StreamingResponse(with_error_event(events), media_type="text/event-stream")
     try:
-        finals = await asyncio.gather(*(run_to_completion(http_request, s) for s in streams))
+        finals = await run_all_to_completion(http_request, streams)
     finally:
         admission.release()
-    if any(f is None for f in finals):
+    if finals is None:
         return JSONResponse({}, status_code=499)  # client went away; nobody reads this
     choices = [c for i, f in enumerate(finals) for c in _choices(req, tokenizer, i, f)]
     usage = Usage.of(sum(len(p) for p in prompts),

@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
+import logging
 from dataclasses import dataclass, field
+from typing import AsyncIterator
 
 from pydantic import BaseModel
 
+from heron.engine.async_client import EngineDeadError, RequestFailedError
 from heron.outputs import CompletionOutput
+from heron.server.errors import error_body
+
+logger = logging.getLogger("heron.server")
 
 
 def sse_event(payload: BaseModel) -> str:
@@ -16,6 +24,29 @@ def sse_event(payload: BaseModel) -> str:
 
 def sse_done() -> str:
     return "data: [DONE]\n\n"
+
+
+def sse_error(status: int, message: str, type_: str) -> str:
+    """An error event in OpenAI's shape: what a stream that cannot complete ends with."""
+    return f"data: {json.dumps(error_body(message, type_, None, status))}\n\n"
+
+
+async def with_error_event(events: AsyncIterator[str]) -> AsyncIterator[str]:
+    """Pass ``events`` through; if they fail, end with an error event (and no [DONE]), so a
+    client never mistakes a broken stream for a finished one."""
+    try:
+        async with contextlib.aclosing(events):  # a client that leaves closes both now
+            async for event in events:
+                yield event
+    except ValueError as exc:  # the engine refused the request
+        yield sse_error(400, str(exc), "invalid_request_error")
+    except RequestFailedError as exc:
+        yield sse_error(500, f"the engine failed this request: {exc}", "server_error")
+    except EngineDeadError as exc:
+        yield sse_error(503, f"the engine is not running: {exc}", "service_unavailable")
+    except Exception:  # noqa: BLE001 - a bug of ours; the client still learns the stream broke
+        logger.exception("stream failed")
+        yield sse_error(500, "internal server error", "server_error")
 
 
 @dataclass
