@@ -126,6 +126,8 @@ def _serve_parser(sub) -> None:
                    help="admitted sequences (prompts x n) beyond this get 429")
     g.add_argument("--max-sequences-per-request", type=int, default=256,
                    help="a request with more sequences (prompts x n) gets 400")
+    g.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024,
+                   help="a request body over this many bytes gets 413")
     g.add_argument("--cost-per-gpu-hour", type=float, default=None,
                    help="publish heron:cost_per_million_tokens_dollars")
     g.add_argument("--kv-events-endpoint", default=None, metavar="ADDR",
@@ -155,6 +157,7 @@ def _serve(args) -> int:
         max_queued_tokens=args.max_queued_tokens,
         max_queued_sequences=args.max_queued_sequences,
         max_sequences_per_request=args.max_sequences_per_request,
+        max_body_bytes=args.max_body_bytes,
         cost_per_gpu_hour=args.cost_per_gpu_hour)
     return run(config, settings, args.host, args.port)
 

@@ -40,7 +40,10 @@ def json_body(model: type[BaseModel]) -> dict[str, Any]:
         "schema": {"$ref": _REF.format(model=model.__name__)}}}}}
 
 
-SSE_OR_JSON = {"content": {"text/event-stream": {"schema": {"type": "string"}}},
+# One server-sent event: `data` holds a JSON chunk, an error body, or "[DONE]".
+_SSE_EVENT = {"type": "object", "required": ["data"],
+              "properties": {"data": {"type": "string"}, "event": {"type": "string"}}}
+SSE_OR_JSON = {"content": {"text/event-stream": {"schema": _SSE_EVENT}},
                "description": "the response; with `stream: true` a stream of server-sent events"}
 
 
