@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -43,12 +44,15 @@ class HeronServer:
         self.headers = {"Authorization": f"Bearer {key}"} if key else {}
         cmd = [sys.executable, "-m", "heron.entrypoints.cli", "serve", "--port", str(self.port),
                "--max-model-len", "1024", *args]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        # the log goes to a file: a pipe nobody reads fills up (64 KiB of per-request log
+        # lines) and then blocks the server's writes, and with them its event loop
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="heron-serve-", suffix=".log")
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
                                      text=True, env={**os.environ, **(env or {})})
         deadline = time.monotonic() + startup_timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited: {self.proc.stdout.read()}")
+                raise RuntimeError(f"server exited: {self.log_tail()}")
             try:
                 if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
                     return
@@ -57,6 +61,10 @@ class HeronServer:
             time.sleep(0.5)
         self.stop()
         raise RuntimeError("server did not become healthy in time")
+
+    def log_tail(self, chars: int = 4000) -> str:
+        with open(self.log.name) as f:
+            return f.read()[-chars:]
 
     def stats(self) -> dict:
         return httpx.get(f"{self.url}/stats", headers=self.headers, timeout=5).json()
