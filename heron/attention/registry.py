@@ -1,5 +1,6 @@
-"""Attention backends by name: ``torch`` (reference, any device), ``triton`` (CUDA; CPU only
-under the triton interpreter) and ``auto`` (triton on CUDA when installed, else torch)."""
+"""Attention backends by name: ``torch`` (reference, any device), ``cpu`` (heron's C++ paged
+decode kernel, CPU), ``triton`` (CUDA; CPU only under the triton interpreter) and ``auto``
+(triton on CUDA when installed; on CPU the C++ kernel when it builds, else torch)."""
 
 from __future__ import annotations
 
@@ -7,15 +8,21 @@ import torch
 
 from heron.kernels.runtime import has_triton
 
-BACKEND_NAMES = ("auto", "torch", "triton")
+BACKEND_NAMES = ("auto", "torch", "cpu", "triton")
 
 
 def resolve_backend_name(name: str, device: torch.device) -> str:
     """The concrete backend ``name`` selects on ``device``; raises ValueError if unknown."""
     if name not in BACKEND_NAMES:
         raise ValueError(f"unknown attention backend {name!r}; available: {list(BACKEND_NAMES)}")
+    if name == "auto" and device.type == "cuda":
+        return "triton" if has_triton() else "torch"
     if name == "auto":
-        return "triton" if device.type == "cuda" and has_triton() else "torch"
+        from heron.kernels import cpu
+
+        return "cpu" if device.type == "cpu" and cpu.load() else "torch"
+    if name == "cpu" and device.type != "cpu":
+        raise ValueError(f"the cpu attention backend runs on the CPU, not on {device}")
     return name
 
 
@@ -28,6 +35,15 @@ def get_attention_backend(name: str, device: torch.device | str = "cpu"):
         from heron.attention.torch_backend import TorchAttentionBackend
 
         return TorchAttentionBackend()
+    if resolved == "cpu":
+        from heron.kernels import cpu
+
+        if not cpu.load():
+            raise RuntimeError("the cpu attention backend needs heron's C++ kernel, which did "
+                               "not build here (see the warning above); use 'torch'")
+        from heron.attention.cpu_backend import CpuAttentionBackend
+
+        return CpuAttentionBackend()
     from heron.kernels.runtime import require_triton
 
     require_triton(device)  # a clear error before importing triton kernels

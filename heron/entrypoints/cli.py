@@ -33,8 +33,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-kv-blocks", type=int, default=None, help="fix the KV pool size")
     g.add_argument("--kv-cache-memory", type=float, default=None, metavar="GB",
                    help="cap the KV pool (default on CPU: 4 GB)")
-    g.add_argument("--attention-backend", choices=("auto", "torch", "triton"), default="auto",
-                   help="auto: triton kernels on CUDA when triton is installed, else torch")
+    g.add_argument("--attention-backend", choices=("auto", "torch", "cpu", "triton"),
+                   default="auto", help="auto: triton kernels on CUDA when triton is installed; "
+                   "on CPU heron's C++ paged kernel when it builds; else torch (reference)")
     g.add_argument("--enforce-eager", action="store_true",
                    help="never capture CUDA graphs for decode steps")
     g.add_argument("--no-prefix-cache", dest="enable_prefix_caching", action="store_false",

@@ -1,0 +1,10 @@
+"""Build heron's CPU kernels ahead of time: ``python -m heron.kernels.cpu``."""
+
+import sys
+
+from heron.kernels.cpu import load
+
+if __name__ == "__main__":
+    ok = load()
+    print("heron CPU kernels:", "ready" if ok else "unavailable (the torch path is used)")
+    sys.exit(0)
