@@ -43,6 +43,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--scheduling-policy", choices=("fcfs", "lpm"), default="fcfs",
                    help="admission order: first come first served, or longest cached "
                         "prefix first (with a fairness cap)")
+    g.add_argument("--threads", type=int, default=None,
+                   help="torch intra-op threads of the engine (default: torch's choice)")
     g.add_argument("-v", "--verbose", action="store_true", help="log engine details")
 
 
@@ -79,7 +81,8 @@ def _make_llm(args):
                kv_cache_memory_gb=args.kv_cache_memory,
                enable_prefix_caching=args.enable_prefix_caching,
                scheduling_policy=args.scheduling_policy,
-               attention_backend=args.attention_backend, enforce_eager=args.enforce_eager)
+               attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
+               num_threads=args.threads)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -118,6 +121,8 @@ def _serve_parser(sub) -> None:
     g.add_argument("--host", default="127.0.0.1")
     g.add_argument("--port", type=int, default=8000)
     g.add_argument("--served-model-name", default=None, help="name in /v1/models")
+    g.add_argument("--seed", type=int, default=0,
+                   help="the engine's sampling seed (requests without their own seed)")
     g.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
     g.add_argument("--max-queued-requests", type=int, default=256,
                    help="admitted requests beyond this get 429")
@@ -146,6 +151,7 @@ def _serve(args) -> int:
         model=model, dtype=args.dtype, max_model_len=args.max_model_len,
         kv_events_endpoint=args.kv_events_endpoint,
         attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
+        seed=args.seed, num_threads=args.threads,
         cache=CacheConfig(block_size=args.block_size, num_blocks=args.num_kv_blocks,
                           max_memory_gb=args.kv_cache_memory,
                           enable_prefix_caching=args.enable_prefix_caching),

@@ -38,11 +38,11 @@ class LLM:
                  kv_cache_memory_gb: float | None = None, attention_backend: str = "auto",
                  seed: int = 0, enable_prefix_caching: bool = True,
                  scheduling_policy: str = "fcfs", load_format: str = "auto",
-                 enforce_eager: bool = False) -> None:
+                 enforce_eager: bool = False, num_threads: int | None = None) -> None:
         self.engine = LLMEngine(EngineConfig(
             model=model, dtype=dtype, max_model_len=max_model_len,
             attention_backend=attention_backend, seed=seed, load_format=load_format,
-            enforce_eager=enforce_eager,
+            enforce_eager=enforce_eager, num_threads=num_threads,
             cache=CacheConfig(block_size=block_size, num_blocks=num_kv_blocks,
                               max_memory_gb=kv_cache_memory_gb,
                               enable_prefix_caching=enable_prefix_caching),
