@@ -11,6 +11,7 @@ import sys
 
 EPILOG = """examples:
   heron bench throughput --peer hf                       # nano-vllm workload, heron vs HF
+  heron bench throughput --peer vllm --num-prompts 64 --input-len 100:512 --output-len 100:256
   heron bench throughput --num-prompts 32 --input-len 128 --output-len 128 --threads 1
   heron bench throughput --model ./llama-8b-config --load-format dummy --dtype bfloat16
   heron bench latency --batch-sizes 1,8 --peer hf
@@ -29,8 +30,10 @@ def _common(p) -> None:
 
 def _peer_args(p, paths: bool) -> None:
     g = p.add_argument_group("peer")
-    g.add_argument("--peer", choices=("none", "hf"), default="none",
-                   help="also run HF transformers on the same model and workload")
+    g.add_argument("--peer", choices=("none", "hf", "vllm") if paths else ("none", "hf"),
+                   default="none", help="also run HF transformers (hf) or vLLM's CPU build "
+                   "(vllm, in .venv/peers/vllm, installed on first use) on the same model and "
+                   "workload")
     if paths:
         g.add_argument("--peer-path", choices=("auto", "cb", "padded"), default="auto",
                        help="HF path: continuous batching (cb), padded generate, or cb with "

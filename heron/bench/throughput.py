@@ -57,10 +57,16 @@ def _agreement(a: list[list[int]], b: list[list[int]]) -> dict:
 
 
 def _peer(args, dtype: str, budget: dict):
+    if args.peer == "vllm":
+        from heron.bench.vllm_peer import VLLMPeer, peer_model_dir
+
+        return VLLMPeer(peer_model_dir(args.model), dtype, budget["max_model_len"],
+                        budget["max_num_seqs"], budget["step_tokens"],
+                        prefix_caching=not args.no_prefix_caching)
     from heron.bench.hf_peer import HFPeer
 
     return HFPeer(args.model, args.load_format, dtype, args.peer_path, args.peer_batch_size,
-                  **budget)
+                  kv_tokens=budget["kv_tokens"], step_tokens=budget["step_tokens"])
 
 
 def run(args) -> dict:
@@ -82,19 +88,20 @@ def run(args) -> dict:
         build_workload(args, min(4, num), seed_offset=1000, **build), tokenizer)]
     results, outputs = {}, {}
     results["heron"], outputs["heron"] = run_engine(heron, samples, warmup)
-    budget = {"kv_tokens": heron.kv_tokens, "step_tokens": heron.step_tokens}
+    budget = {"kv_tokens": heron.kv_tokens, "step_tokens": heron.step_tokens,
+              "max_model_len": heron.max_model_len,
+              "max_num_seqs": heron.engine.config.scheduler.max_num_seqs}
     heron.close()
     del heron
     gc.collect()
-    extra = {}
-    if args.peer == "hf":
+    extra, ratios = {}, {}
+    if args.peer != "none":
         peer = _peer(args, dtype, budget)
-        results["hf"], outputs["hf"] = run_engine(peer, samples, warmup)
+        results[peer.name], outputs[peer.name] = run_engine(peer, samples, warmup)
         peer.close()
         if args.load_format == "auto":
-            extra = _agreement(outputs["heron"], outputs["hf"])
-    ratios = {k: results["heron"][k] / results["hf"][k] for k in RATE_KEYS} if "hf" in results \
-        else {}
+            extra = _agreement(outputs["heron"], outputs[peer.name])
+        ratios = {k: results["heron"][k] / results[peer.name][k] for k in RATE_KEYS}
     print_table(results, ratios)
     record = {"kind": "throughput", "machine": machine, "config": _config(args, num, dtype),
               "results": results, "ratios": ratios, **extra}
@@ -114,7 +121,7 @@ def _config(args, num: int, dtype: str) -> dict:
 
 def print_table(results: dict, ratios: dict) -> None:
     names = list(results)
-    headers = ["metric", *names] + (["heron/hf"] if ratios else [])
+    headers = ["metric", *names] + ([f"heron/{names[-1]}"] if ratios else [])
     rows = [[key, *(results[n][key] for n in names)]
             + ([f"{ratios[key]:.2f}x" if key in ratios else ""] if ratios else [])
             for key in ("elapsed_s", *RATE_KEYS)]
