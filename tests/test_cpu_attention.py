@@ -7,9 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from attention_steps import mixed_step
 from hf_reference import hf_greedy, make_tiny_model
 from heron import LLM, SamplingParams
-from heron.attention import AttentionMetadata, get_attention_backend
+from heron.attention import get_attention_backend
 from heron.kernels import cases, cpu, reference
 
 
@@ -40,22 +41,12 @@ def test_decode_matches_the_float64_reference(seq_lens, kv_heads, group, head_di
 @pytest.mark.parametrize("window", [None, 6])
 def test_cpu_backend_equals_torch_backend_on_a_mixed_step(window):
     """Decodes take the kernel, prefill chunks (one after a cached prefix) the torch path."""
-    q_lens, seq_lens = [1, 7, 12, 1], [30, 20, 12, 5]
-    case = cases.attention_case(q_lens, seq_lens, 2, 4, 64, 4, torch.float32, seed=11,
-                                sliding_window=window)
-    starts, lens, tables = case.device_tensors()
-    slots = [case.block_tables[i][p // 4] * 4 + p % 4
-             for i, (q, s) in enumerate(zip(q_lens, seq_lens)) for p in range(s - q, s)]
-    k = cases.randn(sum(q_lens), 2, 64, dtype=torch.float32, seed=12)
-    v = cases.randn(sum(q_lens), 2, 64, dtype=torch.float32, seed=13)
-    kv_cache = torch.stack([case.key_cache, case.value_cache])
+    q, k, v, kv_cache, md = mixed_step(window)
     outs, caches = [], []
     for name in ("torch", "cpu"):
-        md = AttentionMetadata(torch.tensor(slots), tables, lens, starts, case.query_start_loc,
-                               q_lens, seq_lens, block_size=4)
+        md.backend_cache.clear()
         cache = kv_cache.clone()
-        outs.append(get_attention_backend(name).forward(case.q, k, v, cache, md, case.scale,
-                                                        window))
+        outs.append(get_attention_backend(name).forward(q, k, v, cache, md, 0.125, window))
         caches.append(cache)
     assert torch.equal(caches[0], caches[1])
     assert reference.max_rel_error(outs[1], outs[0]) <= 1e-5

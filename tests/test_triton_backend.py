@@ -16,36 +16,20 @@ import torch  # noqa: E402
 
 pytest.importorskip("triton")
 
+from attention_steps import mixed_step  # noqa: E402
 from hf_reference import TINY_CONFIGS, hf_greedy, make_tiny_model  # noqa: E402
 from heron import LLM, SamplingParams  # noqa: E402
-from heron.attention import AttentionMetadata, get_attention_backend, resolve_backend_name  # noqa: E402
+from heron.attention import get_attention_backend, resolve_backend_name  # noqa: E402
 from heron.attention import triton_backend  # noqa: E402
-from heron.kernels import cases, reference  # noqa: E402
+from heron.kernels import reference  # noqa: E402
 
 MAX_NEW = 6
 PROMPT_LENS = (5, 23, 11)
 
 
-def _mixed_step(sliding_window):
-    """A step of a decode, a chunk after a cached prefix, a fresh prompt and a short decode;
-    block size 4 and shuffled tables. Returns (q, k, v, kv_cache, metadata)."""
-    q_lens, seq_lens = [1, 7, 12, 1], [30, 20, 12, 5]
-    case = cases.attention_case(q_lens, seq_lens, 2, 4, 64, 4, torch.float32, seed=11,
-                                sliding_window=sliding_window)
-    starts, seq_lens_t, tables = case.device_tensors()
-    slots = [case.block_tables[i][p // 4] * 4 + p % 4
-             for i, (q, s) in enumerate(zip(q_lens, seq_lens)) for p in range(s - q, s)]
-    k = cases.randn(sum(q_lens), 2, 64, dtype=torch.float32, seed=12)
-    v = cases.randn(sum(q_lens), 2, 64, dtype=torch.float32, seed=13)
-    md = AttentionMetadata(torch.tensor(slots), tables, seq_lens_t, starts,
-                           case.query_start_loc, q_lens, seq_lens, block_size=4)
-    kv_cache = torch.stack([case.key_cache, case.value_cache])
-    return case.q, k, v, kv_cache, md
-
-
 @pytest.mark.parametrize("sliding_window", [None, 6])
-def test_backend_matches_torch_backend_on_a_mixed_step(sliding_window):
-    q, k, v, kv_cache, md = _mixed_step(sliding_window)
+def test_backend_matches_torch_backend_on_amixed_step(sliding_window):
+    q, k, v, kv_cache, md = mixed_step(sliding_window)
     torch_cache, triton_cache = kv_cache.clone(), kv_cache.clone()
     expected = get_attention_backend("torch").forward(q, k, v, torch_cache, md, 0.125,
                                                       sliding_window)
