@@ -149,11 +149,14 @@ def phase_qwen(args) -> dict:
 
 def phase_check(args) -> dict:
     from heron.entrypoints.check_kernels import add_parser, run
+    from heron.kernels.check import SUITE
 
     parser = argparse.ArgumentParser()
     add_parser(parser.add_subparsers(dest="command"))
     out = Path(args.out_dir) / "check_kernels.json"
-    argv = ["check-kernels", "--json-out", str(out), "--dtypes", "bfloat16,float32"]
+    gpu_kernels = ",".join(k for k in SUITE if k != "paged_decode_cpu")  # GPU time is scarce
+    argv = ["check-kernels", "--json-out", str(out), "--dtypes", "bfloat16,float32",
+            "--kernels", gpu_kernels]
     if args.smoke:
         argv += ["--kernels", "store_kv,rms_norm", "--dtypes", "float32"]
     rc = run(parser.parse_args(argv))
