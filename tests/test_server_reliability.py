@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import gzip
+import http.client
 import json
 import os
 import signal
@@ -132,9 +133,22 @@ def test_non_streaming_request_is_aborted_when_its_client_leaves(server):
     ("top_k", 2**64), ("min_tokens", 2**70), ("stop_token_ids", [2**70]), ("prompt", [2**70]),
     ("seed", 2**64), ("n", 2**64), ("max_tokens", -2**70), ("logprobs", 2**100),
 ])
-def test_integers_beyond_64_bits_are_400_and_keep_alive_survives(client, field, value):
-    _assert_error(client.post("/v1/completions", json=_completion(**{field: value})), 400, field)
-    assert client.post("/v1/completions", json=_completion(max_tokens=1)).status_code == 200
+def test_integers_beyond_64_bits_are_400_and_keep_alive_survives(server, field, value):
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+    headers = {**AUTH, "content-type": "application/json"}
+    try:
+        conn.request("POST", "/v1/completions", json.dumps(_completion(**{field: value})),
+                     headers)
+        bad = conn.getresponse()
+        error = json.loads(bad.read())["error"]
+        assert bad.status == 400 and error["param"] == field and error["code"] == 400
+        sock = conn.sock  # the same connection must serve the next request
+        conn.request("POST", "/v1/completions", json.dumps(_completion(max_tokens=1)), headers)
+        good = conn.getresponse()
+        good.read()
+        assert good.status == 200 and conn.sock is sock
+    finally:
+        conn.close()
 
 
 @pytest.mark.parametrize("path,raw", [
