@@ -74,7 +74,7 @@ def peer_model_dir(model: str | None) -> Path:
     """The HF directory vLLM loads for heron's ``model`` (a GGUF is exported once)."""
     from heron.loader.model_source import resolve_model
 
-    name = resolve_model(model, "dummy" if model and Path(model).is_dir() else "auto").name
+    name = resolve_model(model).name
     if not name.endswith(".gguf"):
         return Path(name)
     cache = Path(os.environ.get("HERON_CACHE_DIR", Path.home() / ".cache" / "heron"))

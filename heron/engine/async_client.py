@@ -6,7 +6,7 @@ and a PULL read by one background task, which routes ``OutputDelta``s to per-req
 and keeps the latest stats. ``generate`` accumulates deltas into cumulative ``RequestOutput``s.
 
 The core is dead once its process exits, it reports a fatal error, or its heartbeat (see
-``heartbeat.py``) is silent for ``heartbeat_timeout`` seconds (a frozen core is killed then).
+``heartbeat.py``) is silent for ``HEARTBEAT_TIMEOUT_S`` seconds (a frozen core is killed then).
 Every pending request then fails with ``EngineDeadError`` and ``wait_failed`` returns.
 """
 
@@ -94,8 +94,7 @@ class AsyncEngineClient:
     """Talks to one engine-core process; use from a single asyncio event loop."""
 
     def __init__(self, proc, ctx: zmq.asyncio.Context, in_sock, out_sock, ready: m.ReadyMsg,
-                 tmpdir: str, tokenizer, heartbeat_timeout: float = HEARTBEAT_TIMEOUT_S
-                 ) -> None:
+                 tmpdir: str, tokenizer) -> None:
         self._proc, self._ctx, self._in, self._out = proc, ctx, in_sock, out_sock
         self._tmpdir = tmpdir
         self.ready = ready
@@ -111,15 +110,13 @@ class AsyncEngineClient:
                                  num_free_blocks=ready.num_kv_blocks)
         self._dead: str | None = None  # why the engine is unusable, once it is
         self._failed = asyncio.Event()  # set when it died by failure (not by shutdown)
-        self._heartbeat_timeout = heartbeat_timeout
         self._last_heard = time.monotonic()
         self._closed = False
         self._reader = asyncio.create_task(self._read_loop(), name="heron-engine-reader")
 
     # ---- lifecycle -----------------------------------------------------------------------
     @classmethod
-    async def start(cls, config: EngineConfig, startup_timeout: float = 300,
-                    heartbeat_timeout: float = HEARTBEAT_TIMEOUT_S) -> AsyncEngineClient:
+    async def start(cls, config: EngineConfig, startup_timeout: float = 300) -> AsyncEngineClient:
         """Spawn the core, wait for it to be ready; RuntimeError if it fails to start."""
         tmpdir = tempfile.mkdtemp(prefix="heron-ipc-")
         ctx = zmq.asyncio.Context()
@@ -143,7 +140,7 @@ class AsyncEngineClient:
             _stop_process(proc, 0)
             _close(ctx, in_sock, out_sock, tmpdir)
             raise
-        return cls(proc, ctx, in_sock, out_sock, ready, tmpdir, tokenizer, heartbeat_timeout)
+        return cls(proc, ctx, in_sock, out_sock, ready, tmpdir, tokenizer)
 
     async def shutdown(self, timeout: float = 10.0) -> None:
         """Ask the core to exit, wait up to ``timeout`` s, then terminate it; idempotent."""
@@ -265,7 +262,7 @@ class AsyncEngineClient:
     # ---- the reader task -----------------------------------------------------------------
     async def _read_loop(self) -> None:
         """Route every output message; notice within ~POLL_MS when the core is gone, and
-        within ``heartbeat_timeout`` when it is frozen."""
+        within HEARTBEAT_TIMEOUT_S when it is frozen."""
         try:
             while self._dead is None:
                 if await self._out.poll(POLL_MS):
@@ -273,9 +270,9 @@ class AsyncEngineClient:
                     self._route(self._decoder.decode(await self._out.recv()))
                 elif not self._proc.is_alive():
                     self._mark_dead(f"the engine core died (exit code {self._proc.exitcode})")
-                elif time.monotonic() - self._last_heard > self._heartbeat_timeout:
+                elif time.monotonic() - self._last_heard > HEARTBEAT_TIMEOUT_S:
                     self._mark_dead(f"the engine core stopped responding (no heartbeat for "
-                                    f"{self._heartbeat_timeout:.0f} s); it was killed")
+                                    f"{HEARTBEAT_TIMEOUT_S:.0f} s); it was killed")
                     self._proc.kill()
         except Exception as exc:  # a bug here must not leave requests hanging
             logger.exception("engine output reader failed")

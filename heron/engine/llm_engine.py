@@ -224,7 +224,8 @@ class LLMEngine:
         return merged
 
     def _fail_groups(self, failed: list[tuple[Request, Exception]]) -> dict[str, RequestGroup]:
-        """Finish the groups of failed sequences with an error (their siblings too)."""
+        """Finish the groups of failed sequences with an error (their siblings too); returns
+        the groups failed now (a group that already failed is not returned again)."""
         groups: dict[str, RequestGroup] = {}
         for request, exc in failed:
             group = self.groups.get(request.parent_id)
@@ -235,7 +236,6 @@ class LLMEngine:
                 if not child.is_finished:
                     self.scheduler.finish(child, RequestStatus.FINISHED_ERROR)
             groups[group.request_id] = group
-        failed.clear()
         return groups
 
     def _emit(self, groups: dict[str, RequestGroup]) -> list[RequestOutput]:

@@ -18,9 +18,9 @@ from fastapi.responses import PlainTextResponse, Response
 from starlette.exceptions import HTTPException
 
 import heron
-from heron.engine.async_client import EngineDeadError, RequestFailedError
 from heron.server.admission import AdmissionController, Overloaded
 from heron.server.errors import RequestValidationError, pydantic_error_message
+from heron.server.failures import FAILURES, classify
 from heron.server.guards import GuardMiddleware, error_response
 from heron.server.metrics import ServerMetrics
 from heron.server.openapi import SSE_OR_JSON, error_responses, install_openapi, json_body
@@ -86,10 +86,14 @@ def _install_error_handlers(app: FastAPI, state: ServerState) -> None:
         message, param = pydantic_error_message(exc.errors())
         return error_response(400, message, "invalid_request_error", param)
 
-    @app.exception_handler(ValueError)
-    async def _value(_, exc: ValueError):  # the engine refused the request
-        state.metrics.record_rejection("400")
-        return error_response(400, str(exc), "invalid_request_error")
+    async def _failure(_, exc: Exception):  # refused by the engine, failed in it, or no engine
+        status, message, type_ = classify(exc)
+        if status == 400:
+            state.metrics.record_rejection("400")
+        return error_response(status, message, type_)
+
+    for failure in FAILURES:
+        app.add_exception_handler(failure, _failure)
 
     @app.exception_handler(HTTPException)
     async def _http(_, exc: HTTPException):  # 404, 405, ...
@@ -100,14 +104,6 @@ def _install_error_handlers(app: FastAPI, state: ServerState) -> None:
     async def _overloaded(_, exc: Overloaded):
         return error_response(429, str(exc), "rate_limit_exceeded",
                               headers={"Retry-After": str(exc.retry_after_seconds)})
-
-    @app.exception_handler(RequestFailedError)
-    async def _failed(_, exc: RequestFailedError):
-        return error_response(500, f"the engine failed this request: {exc}", "server_error")
-
-    @app.exception_handler(EngineDeadError)
-    async def _dead(_, exc: EngineDeadError):
-        return error_response(503, f"the engine is not running: {exc}", "service_unavailable")
 
 
 def build_app(client, settings: ServerSettings) -> FastAPI:
@@ -170,16 +166,21 @@ def _install_openai_routes(app: FastAPI, state: ServerState) -> None:
         return ModelList(data=[ModelCard(id=state.model_name,
                                          max_model_len=state.client.max_model_len)])
 
-    @app.post("/v1/completions", response_model=CompletionResponse,
-              responses={200: SSE_OR_JSON, **_GENERATION_ERRORS},
-              openapi_extra=json_body(CompletionRequest))
-    async def completions(request: Request):
-        req = parse_request(CompletionRequest, await request.body())
-        return await create_completion(req, request, state)
+    _generation_route(app, state, "/v1/completions", CompletionRequest, CompletionResponse,
+                      create_completion)
+    _generation_route(app, state, "/v1/chat/completions", ChatCompletionRequest,
+                      ChatCompletionResponse, create_chat_completion)
 
-    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse,
-              responses={200: SSE_OR_JSON, **_GENERATION_ERRORS},
-              openapi_extra=json_body(ChatCompletionRequest))
-    async def chat_completions(request: Request):
-        req = parse_request(ChatCompletionRequest, await request.body())
-        return await create_chat_completion(req, request, state)
+
+def _generation_route(app: FastAPI, state: ServerState, path: str, request_model,
+                      response_model, create) -> None:
+    """POST ``path``: the body parsed strictly as ``request_model``, answered by ``create``
+    as JSON (``response_model``) or an SSE stream."""
+
+    async def route(request: Request):
+        req = parse_request(request_model, await request.body())
+        return await create(req, request, state)
+
+    app.post(path, response_model=response_model, name=create.__name__,
+             responses={200: SSE_OR_JSON, **_GENERATION_ERRORS},
+             openapi_extra=json_body(request_model))(route)

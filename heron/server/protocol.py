@@ -23,7 +23,7 @@ MAX_STOP_STRINGS = 16
 MAX_COMPLETION_LOGPROBS = 5  # OpenAI's cap for /v1/completions
 MAX_TOP_LOGPROBS = min(20, MAX_LOGPROBS)  # OpenAI's cap for chat top_logprobs
 # Known OpenAI / vLLM fields heron does not implement: refused when set rather than silently
-# ignored (values that ask for the default behaviour are accepted, see _unsupported).
+# ignored (values that ask for the default behaviour are accepted, see _asks_for_default).
 UNSUPPORTED_FIELDS = ("logit_bias", "suffix", "tools", "functions", "tool_choice",
                       "function_call", "response_format", "best_of", "use_beam_search",
                       "length_penalty", "guided_json", "guided_regex", "guided_choice",
@@ -73,7 +73,7 @@ class _SamplingRequest(StrictModel):
     """Fields shared by /v1/completions and /v1/chat/completions (unknown fields are kept in
     ``model_extra`` and ignored unless listed in UNSUPPORTED_FIELDS)."""
 
-    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
+    model_config = ConfigDict(extra="allow")  # merged with StrictModel's
 
     model: Optional[str] = None
     temperature: Optional[Annotated[float, Field(ge=0.0)]] = None
@@ -220,27 +220,18 @@ def _check(cond: bool, message: str, param: str) -> None:
 
 
 def validate_limits(req: _SamplingRequest, max_stop_strings: int = MAX_STOP_STRINGS) -> None:
-    """Server-side limits beyond SamplingParams' own checks; raises RequestValidationError."""
-    n = 1 if req.n is None else req.n
-    _check(1 <= n <= MAX_N, f"n must be in [1, {MAX_N}], got {n}", "n")
-    _check(req.seed is None or MIN_SEED <= req.seed <= MAX_SEED,
-           "seed must fit in 64 bits", "seed")
+    """What the field types cannot say (their ranges are checked while parsing); raises
+    RequestValidationError."""
     n_stop = len(req.stop_list)
     _check(n_stop <= max_stop_strings,
            f"at most {max_stop_strings} stop strings are allowed, got {n_stop}", "stop")
     _check(req.stream or req.stream_options is None,
            "stream_options is only allowed when stream is true", "stream_options")
+    n = 1 if req.n is None else req.n
     for name, value in (req.model_extra or {}).items():
         _check(name not in UNSUPPORTED_FIELDS or _asks_for_default(name, value, n),
                f"{name} is not supported by this server", name)
-    if isinstance(req, CompletionRequest) and req.logprobs is not None:
-        _check(0 <= req.logprobs <= MAX_COMPLETION_LOGPROBS,
-               f"logprobs must be in [0, {MAX_COMPLETION_LOGPROBS}], got {req.logprobs}",
-               "logprobs")
     if isinstance(req, ChatCompletionRequest) and req.top_logprobs is not None:
-        _check(0 <= req.top_logprobs <= MAX_TOP_LOGPROBS,
-               f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {req.top_logprobs}",
-               "top_logprobs")
         _check(req.logprobs, "logprobs must be true when top_logprobs is set", "logprobs")
 
 

@@ -10,9 +10,9 @@ from typing import AsyncIterator
 
 from pydantic import BaseModel
 
-from heron.engine.async_client import EngineDeadError, RequestFailedError
 from heron.outputs import CompletionOutput
 from heron.server.errors import error_body
+from heron.server.failures import FAILURES, classify
 
 logger = logging.getLogger("heron.server")
 
@@ -38,15 +38,10 @@ async def with_error_event(events: AsyncIterator[str]) -> AsyncIterator[str]:
         async with contextlib.aclosing(events):  # a client that leaves closes both now
             async for event in events:
                 yield event
-    except ValueError as exc:  # the engine refused the request
-        yield sse_error(400, str(exc), "invalid_request_error")
-    except RequestFailedError as exc:
-        yield sse_error(500, f"the engine failed this request: {exc}", "server_error")
-    except EngineDeadError as exc:
-        yield sse_error(503, f"the engine is not running: {exc}", "service_unavailable")
-    except Exception:  # noqa: BLE001 - a bug of ours; the client still learns the stream broke
-        logger.exception("stream failed")
-        yield sse_error(500, "internal server error", "server_error")
+    except Exception as exc:  # noqa: BLE001 - the client must learn the stream broke
+        if not isinstance(exc, FAILURES):
+            logger.exception("stream failed")  # a bug of ours
+        yield sse_error(*classify(exc))
 
 
 @dataclass
