@@ -17,7 +17,7 @@ import pytest
 from hf_reference import make_tiny_model
 from heron import LLM, SamplingParams
 from heron.config import CacheConfig, EngineConfig, SchedulerConfig
-from heron.engine.async_client import AsyncEngineClient, EngineDeadError
+from heron.transport.async_client import AsyncEngineClient, EngineDeadError
 
 TINY = dict(max_model_len=256, max_num_batched_tokens=64, max_num_seqs=16, num_kv_blocks=64)
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)

@@ -12,7 +12,7 @@ from heron import LLM, SamplingParams
 from heron.engine import llm_engine
 from heron.engine.isolation import EngineFault, run_isolating
 from heron.engine.kv_cache import KVCacheManager
-from heron.runner import sampler as sampler_module
+from heron.worker import sampler as sampler_module
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 PROMPTS = [[5, 6, 7, 8, 9] * 4, [11, 12, 13] * 7, [20 + i for i in range(30)], [3, 1, 4, 1, 5]]

@@ -7,7 +7,7 @@ import torch
 
 from heron import SamplingParams
 from heron.engine.request import Request
-from heron.runner.sampler import Sampler, _apply_penalties
+from heron.worker.sampler import Sampler, _apply_penalties
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 POEM = [{"role": "user", "content": "Write a short poem about the sea."}]

@@ -18,8 +18,8 @@ pytest.importorskip("triton")
 from hf_reference import hf_greedy, make_tiny_model  # noqa: E402
 from test_triton_backend import generate_and_compare  # noqa: E402
 from heron import LLM  # noqa: E402
-from heron.runner.batch import HostBatch  # noqa: E402
-from heron.runner.cuda_graphs import (EagerGraph, StaticDecodeInputs, bucket_for,  # noqa: E402
+from heron.worker.batch import HostBatch  # noqa: E402
+from heron.worker.cuda_graphs import (EagerGraph, StaticDecodeInputs, bucket_for,  # noqa: E402
                                       decode_buckets)
 
 

@@ -4,7 +4,7 @@ interpreter, for tests). Same contract and metadata as the torch backend.
 Per step (computed once, shared by every layer): requests with one query go to the split-KV
 decode kernel, the others (prefill chunks, with or without a cached prefix) to the prefill
 kernel. A step of decodes only reads no host-side lengths, so it can be captured in a CUDA
-graph and replayed for other lengths (see ``heron.runner.cuda_graphs``).
+graph and replayed for other lengths (see ``heron.worker.cuda_graphs``).
 """
 
 from __future__ import annotations

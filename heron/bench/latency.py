@@ -67,7 +67,7 @@ def add_roofline(row: dict, ceil: dict, shapes: dict, input_len: int, output_len
 def model_shapes(llm) -> dict:
     """The sizes the roofline needs, read from heron's loaded model."""
     from heron.bench import roofline
-    from heron.runner.memory import bytes_per_block
+    from heron.worker.memory import bytes_per_block
 
     engine = llm.engine
     model, arch = engine.runner.model, engine.arch

@@ -20,8 +20,8 @@ from heron.loader.weights import build_model, materialize_weights, optimize_layo
 from heron.models import ModelArchConfig, get_model_class
 from heron.models.config import architecture_of
 from heron.outputs import RequestOutput
-from heron.runner.memory import num_kv_blocks
-from heron.runner.model_runner import ModelRunner, StepResult
+from heron.worker.memory import num_kv_blocks
+from heron.worker.model_runner import ModelRunner, StepResult
 from heron.sampling_params import SamplingParams, child_seed
 
 logger = logging.getLogger(__name__)

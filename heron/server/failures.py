@@ -3,7 +3,7 @@ of an SSE stream: (HTTP status, message, OpenAI error type)."""
 
 from __future__ import annotations
 
-from heron.engine.async_client import EngineDeadError, RequestFailedError
+from heron.transport.async_client import EngineDeadError, RequestFailedError
 from heron.server.errors import INVALID_REQUEST
 
 # What the handlers answer for: the engine refused the request (ValueError), failed it while

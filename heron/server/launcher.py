@@ -10,7 +10,7 @@ import signal
 import uvicorn
 
 from heron.config import EngineConfig
-from heron.engine.async_client import AsyncEngineClient
+from heron.transport.async_client import AsyncEngineClient
 from heron.server.app import ServerSettings, build_app
 
 logger = logging.getLogger("heron.server")

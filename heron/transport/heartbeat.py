@@ -15,7 +15,7 @@ import time
 import msgspec
 import zmq
 
-from heron.engine import messages as m
+from heron.transport import messages as m
 
 HEARTBEAT_INTERVAL_S = 1.0
 

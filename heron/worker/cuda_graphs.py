@@ -20,7 +20,7 @@ from typing import Callable
 import torch
 
 from heron.attention import AttentionMetadata
-from heron.runner.batch import HostBatch
+from heron.worker.batch import HostBatch
 
 # forward(metadata, input_ids, positions) -> hidden states (num_tokens, hidden)
 ForwardFn = Callable[[AttentionMetadata, torch.Tensor, torch.Tensor], torch.Tensor]

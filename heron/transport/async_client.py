@@ -26,8 +26,8 @@ import zmq
 import zmq.asyncio
 
 from heron.config import EngineConfig
-from heron.engine import messages as m
-from heron.engine.core_process import run_engine_core
+from heron.transport import messages as m
+from heron.transport.core_process import run_engine_core
 from heron.loader.model_source import load_tokenizer
 from heron.outputs import CompletionOutput, RequestOutput
 from heron.sampling_params import SamplingParams

@@ -12,9 +12,9 @@ from heron.attention.metadata import AttentionMetadata
 from heron.engine.scheduler import ScheduledRequest, SchedulerOutput
 from heron.layers.rotary import RotaryEmbedding
 from heron.outputs import PositionLogprobs
-from heron.runner.batch import HostBatch, build_host_batch, to_device
-from heron.runner.cuda_graphs import DecodeGraphRunner
-from heron.runner.sampler import Sampler, top_logprobs
+from heron.worker.batch import HostBatch, build_host_batch, to_device
+from heron.worker.cuda_graphs import DecodeGraphRunner
+from heron.worker.sampler import Sampler, top_logprobs
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -19,9 +19,9 @@ import msgspec
 import zmq
 
 from heron.config import EngineConfig
-from heron.engine import messages as m
+from heron.transport import messages as m
 from heron.engine.detokenizer import stream_safe_end
-from heron.engine.heartbeat import HeartbeatThread
+from heron.transport.heartbeat import HeartbeatThread
 from heron.engine.isolation import describe
 from heron.engine.kv_events import KVEventPublisher
 from heron.outputs import RequestOutput

@@ -1,0 +1,2 @@
+"""The process transport: the engine-core process, its asyncio client, and the typed messages
+between them (msgpack over ZMQ)."""
