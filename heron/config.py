@@ -96,11 +96,16 @@ class EngineConfig:
     load_format: str = "auto"  # "auto": weights from the model files; "dummy": random weights
     enforce_eager: bool = False  # True: never capture CUDA graphs
     kv_events_endpoint: str | None = None  # ZMQ PUB address for prefix-cache events (serve)
+    # "uni": the worker runs in the engine core's process; "mp": in a process of its own
+    distributed_executor_backend: str = "uni"
 
     def __post_init__(self) -> None:
         parse_dtype(self.dtype)
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
+        if self.distributed_executor_backend not in ("uni", "mp"):
+            raise ValueError(f"distributed_executor_backend must be 'uni' or 'mp', got "
+                             f"{self.distributed_executor_backend!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
 

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
+from typing import Any
 
 # Hard limits that keep a single request from exhausting host memory.
 MAX_LOGPROBS = 20
@@ -112,3 +114,13 @@ class SamplingParams:
     def uses_penalties(self) -> bool:
         return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
                 or self.frequency_penalty != 0.0)
+
+
+def params_to_dict(params: SamplingParams) -> dict[str, Any]:
+    """The init fields of ``params`` as plain msgpack-able values (for the process boundary)."""
+    return {f.name: getattr(params, f.name) for f in dataclasses.fields(params) if f.init}
+
+
+def params_from_dict(data: dict[str, Any]) -> SamplingParams:
+    """Rebuild (and re-validate: ValueError on bad values) ``SamplingParams``."""
+    return SamplingParams(**data)

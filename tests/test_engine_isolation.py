@@ -1,5 +1,5 @@
-"""Defence in depth inside the engine: a request whose processing raises (scheduler, sampler,
-detokenizer) is finished with finish_reason "error", its blocks freed; everyone else's
+"""Defence in depth inside the engine: a request whose processing raises (scheduler, worker,
+sampler, outcome, detokenizer) is finished with finish_reason "error", its blocks freed; everyone else's
 output is what it would have been without it. A failure no request explains stops the engine.
 """
 
@@ -9,9 +9,10 @@ import pytest
 
 from hf_reference import make_tiny_model
 from heron import LLM, SamplingParams
-from heron.engine import llm_engine
 from heron.engine.isolation import EngineFault, run_isolating
 from heron.engine.kv_cache import KVCacheManager
+from heron.engine.output_processor import OutputProcessor
+from heron.engine.scheduler import Scheduler
 from heron.worker import sampler as sampler_module
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
@@ -39,7 +40,8 @@ def _run_with_poison(llm, params=GREEDY):
     poisoned = [1, 2, POISON, 4]
     outs = llm.generate(PROMPTS[:2] + [poisoned] + PROMPTS[2:], params)
     engine = llm.engine
-    assert not engine.groups and not engine.scheduler.running and not engine.scheduler.waiting
+    assert not engine.core.sequences and not engine.output_processor.requests
+    assert not engine.scheduler.requests and not engine.scheduler.running and not engine.scheduler.waiting
     assert engine.kv_cache.num_free_blocks == engine.kv_cache.num_blocks
     return outs[2], [o.outputs[0].token_ids for o in outs[:2] + outs[3:]]
 
@@ -62,17 +64,33 @@ def test_sampler_failure_fails_only_its_request(llm, clean, monkeypatch):
     assert others == clean
 
 
-def test_detokenizer_or_stop_check_failure_fails_only_its_request(llm, clean, monkeypatch):
-    original = llm_engine.LLMEngine._append_token
+def test_stop_check_failure_fails_only_its_request(llm, clean, monkeypatch):
+    original = Scheduler._append_token
 
-    def append(self, req, token, result, now):
+    def append(self, req, token, now):
         if POISON in req.prompt_token_ids and req.num_output_tokens == 3:
-            raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "invalid start byte")
-        return original(self, req, token, result, now)
+            raise KeyError("a broken stop check")
+        return original(self, req, token, now)
 
-    monkeypatch.setattr(llm_engine.LLMEngine, "_append_token", append)
+    monkeypatch.setattr(Scheduler, "_append_token", append)
     bad, others = _run_with_poison(llm)
     assert bad.outputs[0].finish_reason == "error" and len(bad.outputs[0].token_ids) == 3
+    assert others == clean
+
+
+def test_detokenizer_failure_fails_only_its_request(llm, clean, monkeypatch):
+    """Output processing runs after the core's step: a failure there aborts the request in
+    the core, which frees its blocks."""
+    original = OutputProcessor._apply
+
+    def apply(self, state, delta):
+        if POISON in state.prompt_token_ids and len(state.sequences[0].token_ids) >= 3:
+            raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "invalid start byte")
+        return original(self, state, delta)
+
+    monkeypatch.setattr(OutputProcessor, "_apply", apply)
+    bad, others = _run_with_poison(llm)
+    assert bad.outputs[0].finish_reason == "error" and "UnicodeDecodeError" in bad.error
     assert others == clean
 
 
@@ -102,7 +120,7 @@ def test_a_failure_every_request_shares_is_an_engine_fault(llm, monkeypatch):
     with pytest.raises(EngineFault, match="illegal memory access"):
         llm.generate(PROMPTS, GREEDY)
     monkeypatch.undo()
-    for request_id in list(llm.engine.groups):  # the caller would restart; here, clean up
+    for request_id in list(llm.engine.core.sequences):  # a caller would restart; clean up
         llm.engine.abort_request(request_id)
 
 

@@ -37,9 +37,10 @@ def _record_mix(llm: LLM) -> list[tuple[int, int]]:
 
     def recording():
         out = schedule()
-        decodes = sum(1 for s in out.scheduled if s.num_tokens == 1 and
-                      s.request.num_computed_tokens >= s.request.num_prompt_tokens)
-        mixes.append((len(out.scheduled) - decodes, decodes))
+        requests = llm.engine.scheduler.requests
+        decodes = sum(1 for r, n in zip(out.req_ids, out.num_scheduled_tokens)
+                      if n == 1 and requests[r].num_computed_tokens >= requests[r].num_prompt_tokens)
+        mixes.append((len(out.req_ids) - decodes, decodes))
         return out
 
     llm.engine.scheduler.schedule = recording

@@ -11,13 +11,12 @@ from __future__ import annotations
 
 from typing import Callable, Sequence, TypeVar
 
+from heron.errors import EngineFault
+
+__all__ = ["EngineFault", "describe", "run_isolating"]
+
 Item = TypeVar("Item")
 Result = TypeVar("Result")
-
-
-class EngineFault(RuntimeError):
-    """A failure no single request explains (every request of a step failed alone, or steps
-    keep failing entirely): the engine cannot go on serving."""
 
 
 def run_isolating(run: Callable[[Sequence[Item]], Result], items: Sequence[Item]
@@ -26,6 +25,8 @@ def run_isolating(run: Callable[[Sequence[Item]], Result], items: Sequence[Item]
     succeeded and, per failing item, the exception it raised when run alone."""
     try:
         return [run(items)], []
+    except EngineFault:
+        raise  # the engine itself is broken: no request is to blame
     except Exception as exc:  # noqa: BLE001 - any failure is attributed, then reported
         if len(items) == 1:
             return [], [(items[0], exc)]

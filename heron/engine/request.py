@@ -6,8 +6,6 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-import torch
-
 from heron.outputs import PositionLogprobs
 from heron.sampling_params import SamplingParams
 
@@ -48,8 +46,7 @@ class Request:
     block_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
-    generator: torch.Generator | None = None
-    logprobs: list[PositionLogprobs] = field(default_factory=list)
+    generator_seed: int | None = None  # the worker's generator for this sequence (if seeded)
     prompt_logprobs: list[PositionLogprobs | None] = field(default_factory=list)
     num_preemptions: int = 0
     # prefix cache: a salt isolates tenants; block_ids[:num_cached_blocks] are in the tree,
@@ -62,10 +59,15 @@ class Request:
     scheduled_time: float | None = None  # first time the scheduler gave it tokens
     first_token_time: float | None = None
     finish_time: float | None = None
+    # what the worker knows of it: described once, then sent only the blocks it lacks
+    worker_knows: bool = False
+    num_blocks_sent: int = 0
+    first_delta_sent: bool = False  # the first delta carries prompt info and metrics
+    final_delta_sent: bool = False  # the delta that carries its finish went out
 
     def __post_init__(self) -> None:
-        if self.params.seed is not None:
-            self.generator = torch.Generator().manual_seed(self.params.seed)
+        if self.generator_seed is None:
+            self.generator_seed = self.params.seed
         if self.params.prompt_logprobs is not None:
             self.prompt_logprobs = [None]  # the first prompt token has no logprob
 

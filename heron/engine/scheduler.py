@@ -9,8 +9,14 @@ prefix-cache hits and decode are the same rule: ``num_computed_tokens`` catches 
 running request is preempted (its blocks released, its progress reset) and goes back to the
 front of the waiting queue.
 
-A request whose own bookkeeping raises (a lookup, an allocation, caching its blocks) is
-finished with status ``FINISHED_ERROR`` and reported in ``SchedulerOutput.failed``; the step
+``schedule()`` returns the step as plain data (``heron.worker.step.SchedulerOutput``: each
+sequence described once, then only what changed); ``update_from_output()`` is the one place a
+step's outcome is applied: progress, rollback of rejected speculative tokens (none yet), full
+blocks offered to the prefix cache, sampled tokens appended, token stops (EOS, stop token ids,
+max tokens, context length). It returns each progressed sequence's ``SequenceDelta``.
+
+A request whose own bookkeeping raises (a lookup, an allocation, caching its blocks, its
+outcome) is finished with status ``FINISHED_ERROR`` and queued in ``take_failed()``; the step
 goes on for everyone else.
 
 A waiting request whose next uncached block is being computed right now by a running prefill
@@ -28,9 +34,13 @@ from dataclasses import dataclass, field
 from typing import Iterator
 
 from heron.config import SchedulerConfig
+from heron.engine.core_outputs import SequenceDelta
 from heron.engine.kv_cache import KVCacheManager
 from heron.engine.prefix_cache import CacheNode
 from heron.engine.request import Request, RequestStatus
+from heron.engine.sequence_deltas import sequence_delta
+from heron.sampling_params import params_to_dict
+from heron.worker.step import ModelRunnerOutput, NewRequest, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -49,18 +59,11 @@ class ScheduledRequest:
 
 
 @dataclass
-class SchedulerOutput:
+class _Step:
+    """A step while it is being scheduled (core side, with the request objects)."""
+
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
-    failed: list[tuple[Request, Exception]] = field(default_factory=list)  # now FINISHED_ERROR
-
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(s.num_tokens for s in self.scheduled)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
 
 
 @dataclass
@@ -73,17 +76,30 @@ class SchedulerStats:
 class Scheduler:
     """Decides which requests run each step and how many tokens each computes."""
 
-    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager) -> None:
+    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager,
+                 max_model_len: int) -> None:
         self.config = config
         self.kv_cache = kv_cache
+        self.max_model_len = max_model_len
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}  # every unfinished sequence, by id
         self.stats = SchedulerStats()
+        self._failed: list[tuple[Request, Exception]] = []  # since the last take_failed()
+        self._finished_ids: list[str] = []  # the worker still holds these: tell it next step
 
     # ---- queue management -------------------------------------------------------------
     def add(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"duplicate sequence id {request.request_id!r}")
         request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
         self.waiting.append(request)
+
+    def take_failed(self) -> list[tuple[Request, Exception]]:
+        """Sequences failed (FINISHED_ERROR) since the last call, with what they raised."""
+        failed, self._failed = self._failed, []
+        return failed
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -97,9 +113,12 @@ class Scheduler:
             self.waiting.remove(request)
         request.status = status
         request.finish_time = time.monotonic()
+        self.requests.pop(request.request_id, None)
+        if request.worker_knows:
+            self._finished_ids.append(request.request_id)
         self.kv_cache.free(request)
 
-    def fail(self, request: Request, exc: Exception, out: SchedulerOutput | None = None) -> None:
+    def fail(self, request: Request, exc: Exception) -> None:
         """Finish ``request`` with FINISHED_ERROR after its processing raised ``exc``."""
         logger.error("request %s failed: %r", request.request_id, exc,
                      exc_info=(type(exc), exc, exc.__traceback__))
@@ -110,20 +129,42 @@ class Scheduler:
         except Exception:  # noqa: BLE001 - its blocks may be what is broken
             logger.exception("freeing failed request %s", request.request_id)
             request.status = RequestStatus.FINISHED_ERROR
-        if out is not None:
-            out.failed.append((request, exc))
+            self.requests.pop(request.request_id, None)
+        self._failed.append((request, exc))
 
     # ---- the step ----------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput()
+        step = _Step()
         budget = self.config.max_num_batched_tokens
-        budget = self._schedule_running(out, budget)
-        if not out.preempted:
-            self._schedule_waiting(out, budget)
+        budget = self._schedule_running(step, budget)
+        if not step.preempted:
+            self._schedule_waiting(step, budget)
         self.stats.num_steps += 1
+        return self._message(step)
+
+    def _message(self, step: _Step) -> SchedulerOutput:
+        """The step as plain data: new sequences in full, known ones by what changed."""
+        out = SchedulerOutput([s.request.request_id for s in step.scheduled],
+                              [s.num_tokens for s in step.scheduled],
+                              preempted_req_ids=[r.request_id for r in step.preempted],
+                              finished_req_ids=self._finished_ids)
+        self._finished_ids = []
+        cached = out.cached
+        for s in step.scheduled:
+            request = s.request
+            if not request.worker_knows:
+                out.new_requests.append(_new_request(request))
+            else:
+                resumed = request.num_blocks_sent == 0  # preempted: a whole new table
+                cached.req_ids.append(request.request_id)
+                cached.new_block_ids.append(request.block_ids[request.num_blocks_sent:])
+                cached.num_computed_tokens.append(request.num_computed_tokens)
+                cached.resumed.append(resumed)
+            request.worker_knows = True
+            request.num_blocks_sent = len(request.block_ids)
         return out
 
-    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+    def _schedule_running(self, out: _Step, budget: int) -> int:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
@@ -134,7 +175,7 @@ class Scheduler:
             try:
                 self._allocate_running(request, num_tokens, out)
             except Exception as exc:  # noqa: BLE001 - this request's bookkeeping broke
-                self.fail(request, exc, out)
+                self.fail(request, exc)
                 continue  # it left self.running: index i is the next request now
             if request.status != RequestStatus.RUNNING:
                 break  # preempted itself: nothing younger is left to serve
@@ -143,7 +184,7 @@ class Scheduler:
             i += 1
         return budget
 
-    def _allocate_running(self, request: Request, num_tokens: int, out: SchedulerOutput) -> None:
+    def _allocate_running(self, request: Request, num_tokens: int, out: _Step) -> None:
         """Blocks for ``num_tokens`` more tokens, preempting the youngest until they fit."""
         while self.kv_cache.allocate(request, num_tokens) is None:
             victim = self.running[-1]
@@ -151,7 +192,7 @@ class Scheduler:
             if victim is request:
                 return
 
-    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+    def _schedule_waiting(self, out: _Step, budget: int) -> None:
         if not self._has_room(budget):
             return  # before any lookup: a full step costs no prefix-cache walk
         in_flight = self._blocks_in_flight()
@@ -159,7 +200,7 @@ class Scheduler:
             try:
                 num_tokens = self._try_admit(request, budget, in_flight)
             except Exception as exc:  # noqa: BLE001 - this request's bookkeeping broke
-                self.fail(request, exc, out)
+                self.fail(request, exc)
                 continue
             if num_tokens is None:
                 break  # the head waits for blocks, nobody overtakes it
@@ -244,27 +285,94 @@ class Scheduler:
         needed = self.kv_cache.blocks_to_admit(request, num_tokens, hit)
         return self.kv_cache.num_free_blocks - needed < watermark
 
-    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+    def _preempt(self, request: Request, out: _Step) -> None:
         """Recompute-style preemption: drop the KV, keep the tokens, requeue at the front."""
         self.running.remove(request)
         self.kv_cache.free(request)
         request.num_computed_tokens = 0
         request.status = RequestStatus.WAITING
         request.num_preemptions += 1
+        request.num_blocks_sent = 0  # it comes back with a whole new table
         self.waiting.appendleft(request)
         self.stats.num_preemptions += 1
         out.preempted.append(request)
 
-    def update_after_step(self, out: SchedulerOutput) -> None:
-        """Advance progress of every scheduled request by the tokens it computed, and offer
-        its newly full blocks to the prefix cache."""
-        for s in out.scheduled:
-            request = s.request
-            if request.num_output_tokens == 0 or \
-                    request.num_computed_tokens < request.num_tokens - 1:
-                self.stats.num_prefill_tokens += s.num_tokens  # prompt, or recompute
-            request.num_computed_tokens += s.num_tokens
+    # ---- the step's outcome -------------------------------------------------------------
+    def update_from_output(self, out: SchedulerOutput, result: ModelRunnerOutput
+                           ) -> list[SequenceDelta]:
+        """Apply what the worker computed and sampled; returns the delta of every sequence
+        that gained tokens or finished. ``result`` may cover only part of ``out`` (the rest
+        failed and was failed already)."""
+        num_tokens = dict(zip(out.req_ids, out.num_scheduled_tokens))
+        now = time.monotonic()
+        deltas = []
+        for i, req_id in enumerate(result.req_ids):
+            request = self.requests.get(req_id)
+            if request is None:
+                continue  # aborted or failed meanwhile
             try:
-                self.kv_cache.cache_full_blocks(request)
+                delta = self._apply_outcome(request, num_tokens[req_id], result, i, now)
             except Exception as exc:  # noqa: BLE001 - this request's bookkeeping broke
-                self.fail(request, exc, out)
+                self.fail(request, exc)
+                continue
+            if delta is not None:
+                deltas.append(delta)
+        return deltas
+
+    def _apply_outcome(self, request: Request, num_scheduled: int, result: ModelRunnerOutput,
+                       i: int, now: float) -> SequenceDelta | None:
+        if request.num_output_tokens == 0 or \
+                request.num_computed_tokens < request.num_tokens - 1:
+            self.stats.num_prefill_tokens += num_scheduled  # prompt, or recompute
+        tokens = result.sampled_token_ids[i]
+        request.num_computed_tokens += num_scheduled - _num_rejected(num_scheduled, tokens)
+        self.kv_cache.cache_full_blocks(request)  # computed tokens only: never a rejected one
+        prompt_lps = result.prompt_logprobs.get(request.request_id)
+        if prompt_lps:
+            first = request.num_computed_tokens - num_scheduled + 1
+            request.prompt_logprobs[first:first + len(prompt_lps)] = prompt_lps
+        if not tokens:
+            return None  # mid-prefill chunk
+        logprobs = result.logprobs[i]
+        accepted = 0
+        for token in tokens:
+            self._append_token(request, token, now)
+            accepted += 1
+            if request.is_finished:
+                break
+        return sequence_delta(request, tokens[:accepted],
+                              logprobs[:accepted] if logprobs else None)
+
+    def _append_token(self, request: Request, token: int, now: float) -> None:
+        request.output_token_ids.append(token)
+        if request.first_token_time is None:
+            request.first_token_time = now
+        status = self._token_stop(request, token)
+        if status is not None:
+            self.finish(request, status)
+
+    def _token_stop(self, request: Request, token: int) -> RequestStatus | None:
+        params = request.params
+        if request.num_output_tokens >= params.min_tokens:
+            if token in request.eos_token_ids and not params.ignore_eos:
+                return RequestStatus.FINISHED_STOPPED
+            if token in params.stop_token_ids:
+                request.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+        if request.num_output_tokens >= request.max_tokens or \
+                request.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+
+def _num_rejected(num_scheduled: int, sampled: list[int]) -> int:
+    """Speculative tokens the worker rejected (computed, but not part of the sequence): none
+    until speculative decoding schedules them."""
+    return 0
+
+
+def _new_request(request: Request) -> NewRequest:
+    return NewRequest(request.request_id, request.prompt_token_ids,
+                      params_to_dict(request.params), list(request.block_ids),
+                      request.num_computed_tokens, list(request.eos_token_ids),
+                      request.generator_seed)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Iterable, Iterator, Sequence
 
 from heron.config import CacheConfig, EngineConfig, SchedulerConfig
+from heron.engine.core_outputs import RequestOutputKind
 from heron.engine.llm_engine import LLMEngine
 from heron.outputs import RequestOutput
 from heron.sampling_params import SamplingParams
@@ -38,11 +39,13 @@ class LLM:
                  kv_cache_memory_gb: float | None = None, attention_backend: str = "auto",
                  seed: int = 0, enable_prefix_caching: bool = True,
                  scheduling_policy: str = "fcfs", load_format: str = "auto",
-                 enforce_eager: bool = False, num_threads: int | None = None) -> None:
+                 enforce_eager: bool = False, num_threads: int | None = None,
+                 distributed_executor_backend: str = "uni") -> None:
         self.engine = LLMEngine(EngineConfig(
             model=model, dtype=dtype, max_model_len=max_model_len,
             attention_backend=attention_backend, seed=seed, load_format=load_format,
             enforce_eager=enforce_eager, num_threads=num_threads,
+            distributed_executor_backend=distributed_executor_backend,
             cache=CacheConfig(block_size=block_size, num_blocks=num_kv_blocks,
                               max_memory_gb=kv_cache_memory_gb,
                               enable_prefix_caching=enable_prefix_caching),
@@ -75,7 +78,8 @@ class LLM:
         try:
             for prompt, p in zip(prompts, params):
                 request_id = self.engine.new_request_id()
-                self.engine.add_request(request_id, prompt, p)
+                self.engine.add_request(request_id, prompt, p,
+                                        output_kind=RequestOutputKind.FINAL_ONLY)
                 ids.append(request_id)
         except Exception:
             for request_id in ids:

@@ -1,5 +1,6 @@
-"""The flat batch of one step: built on the host from the scheduler's output, then moved to the
-device in one copy (or staged into a CUDA graph's static buffers, see ``cuda_graphs``)."""
+"""The flat batch of one step: built on the host from the worker's batch state
+(``input_batch.InputBatch.host_batch``), then moved to the device in one copy (or staged into
+a CUDA graph's static buffers, see ``cuda_graphs``)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,6 @@ from dataclasses import dataclass
 import torch
 
 from heron.attention import AttentionMetadata
-from heron.engine.scheduler import ScheduledRequest
 
 
 @dataclass
@@ -46,39 +46,6 @@ class HostBatch:
 
 _DEVICE_FIELDS = ("input_ids", "positions", "slot_mapping", "seq_lens", "query_start_loc",
                   "block_tables")
-
-
-def build_host_batch(scheduled: list[ScheduledRequest], block_size: int) -> HostBatch:
-    input_ids: list[int] = []
-    positions: list[int] = []
-    query_lens, seq_lens, starts = [], [], [0]
-    sample_rows: list[int] = []
-    prompt_lp_rows: dict[int, list[int]] = {}
-    for idx, s in enumerate(scheduled):
-        req, start, n = s.request, s.request.num_computed_tokens, s.num_tokens
-        input_ids.extend(req.token_ids_between(start, start + n))
-        positions.extend(range(start, start + n))
-        query_lens.append(n)
-        seq_lens.append(start + n)
-        starts.append(starts[-1] + n)
-        if s.samples:
-            sample_rows.append(starts[-1] - 1)
-        if req.wants_prompt_logprobs:
-            # rows at positions p < num_prompt - 1 predict prompt token p + 1
-            last = min(start + n, req.num_prompt_tokens - 1)
-            if last > start:
-                prompt_lp_rows[idx] = list(range(starts[-2], starts[-2] + last - start))
-    max_blocks = max(len(s.request.block_ids) for s in scheduled)
-    tables = [s.request.block_ids + [0] * (max_blocks - len(s.request.block_ids))
-              for s in scheduled]
-    block_tables = torch.tensor(tables, dtype=torch.long)  # (N, max_blocks)
-    pos = torch.tensor(positions, dtype=torch.long)
-    req_of_token = torch.repeat_interleave(torch.arange(len(scheduled)), torch.tensor(query_lens))
-    slots = block_tables[req_of_token, pos // block_size] * block_size + pos % block_size
-    return HostBatch(torch.tensor(input_ids, dtype=torch.long), pos, slots,
-                     torch.tensor(seq_lens, dtype=torch.long),
-                     torch.tensor(starts, dtype=torch.long), block_tables, starts, query_lens,
-                     seq_lens, sample_rows, prompt_lp_rows)
 
 
 def to_device(host: HostBatch, device: torch.device) -> dict[str, torch.Tensor]:

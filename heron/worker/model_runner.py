@@ -1,20 +1,20 @@
-"""Runs one scheduled step: flat batch tensors + attention metadata -> forward -> sampling."""
+"""Runs one step message: batch state update -> flat batch tensors + attention metadata ->
+forward -> sampling -> ``ModelRunnerOutput``."""
 
 from __future__ import annotations
-
-from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from heron.attention import ForwardContext, forward_context, get_attention_backend
 from heron.attention.metadata import AttentionMetadata
-from heron.engine.scheduler import ScheduledRequest, SchedulerOutput
+from heron.config import fault_injection_token
 from heron.layers.rotary import RotaryEmbedding
-from heron.outputs import PositionLogprobs
-from heron.worker.batch import HostBatch, build_host_batch, to_device
+from heron.worker.batch import HostBatch, to_device
 from heron.worker.cuda_graphs import DecodeGraphRunner
+from heron.worker.input_batch import InputBatch, SequenceState
 from heron.worker.sampler import Sampler, top_logprobs
+from heron.worker.step import ModelRunnerOutput, SchedulerOutput
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -26,15 +26,6 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
         elems *= dim
     raw = np.zeros(elems * (torch.finfo(dtype).bits // 8), dtype=np.uint8)
     return torch.from_numpy(raw).view(dtype).view(shape)
-
-
-@dataclass
-class StepResult:
-    """Per scheduled request: the sampled token (or None mid-prefill) and any logprobs."""
-
-    sampled: dict[str, int] = field(default_factory=dict)
-    logprobs: dict[str, PositionLogprobs] = field(default_factory=dict)
-    prompt_logprobs: dict[str, list[PositionLogprobs]] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -67,6 +58,8 @@ class ModelRunner:
         self._rotary = [m for m in model.modules() if isinstance(m, RotaryEmbedding)]
         self.graphs: DecodeGraphRunner | None = None
         self._reserve_rotary(self.max_context)
+        self.input_batch = InputBatch(max_num_seqs, self.max_context, block_size)
+        self._fault_token = fault_injection_token()
         if device.type == "cuda" and self.backend.name == "triton" and not enforce_eager:
             self.enable_decode_graphs(max_num_seqs)
 
@@ -100,30 +93,49 @@ class ModelRunner:
         return self._forward(md, tensors["input_ids"], tensors["positions"])
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput) -> StepResult:
-        batch = build_host_batch(sched.scheduled, self.block_size)
+    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        """Apply the step's state changes, run it, and record what it sampled. Raises (with
+        the batch state as before the forward) when the forward or sampling fails."""
+        self.input_batch.update(sched)
+        if sched.is_empty:
+            return ModelRunnerOutput([], [], [])
+        batch = self.input_batch.host_batch(sched.req_ids, sched.num_scheduled_tokens)
+        states = [self.input_batch.states[r] for r in sched.req_ids]
+        samplers = [states[i] for i, n in enumerate(sched.num_scheduled_tokens)
+                    if states[i].num_computed_tokens + n == states[i].num_tokens]
+        self._inject_fault(samplers)
         hidden = self._run_model(batch)
-        result = StepResult()
-        samplers = [s.request for s in sched.scheduled if s.samples]
+        sampled: dict[str, list[int]] = {}
+        logprobs: dict[str, list] = {}
         if samplers:
             logits = self.model.compute_logits(_rows(hidden, batch.sample_rows))
             out = self.sampler(logits, samplers)
-            for req, token, lp in zip(samplers, out.token_ids, out.logprobs):
-                result.sampled[req.request_id] = token
+            for state, token, lp in zip(samplers, out.token_ids, out.logprobs):
+                sampled[state.req_id] = [token]
                 if lp is not None:
-                    result.logprobs[req.request_id] = lp
-        for idx, rows in batch.prompt_lp_rows.items():
-            s = sched.scheduled[idx]
-            result.prompt_logprobs[s.request.request_id] = self._prompt_logprobs(s, hidden, rows)
-        return result
+                    logprobs[state.req_id] = [lp]
+        prompt_lps = {states[i].req_id: self._prompt_logprobs(states[i], hidden, rows)
+                      for i, rows in batch.prompt_lp_rows.items()}
+        tokens = [sampled.get(r, []) for r in sched.req_ids]
+        self.input_batch.advance(sched.req_ids, sched.num_scheduled_tokens, tokens)
+        return ModelRunnerOutput(list(sched.req_ids), tokens,
+                                 [logprobs.get(r) for r in sched.req_ids], prompt_lps)
 
-    def _prompt_logprobs(self, s: ScheduledRequest, hidden, rows: list[int]):
+    def _inject_fault(self, samplers: list[SequenceState]) -> None:
+        """HERON_FAULT_INJECTION_TOKEN: a sampling sequence whose prompt holds the token
+        fails its step, as a bug would (reliability tests)."""
+        if self._fault_token is None:
+            return
+        for state in samplers:
+            if self._fault_token in state.prompt_token_ids:
+                raise RuntimeError(f"injected fault (prompt holds token {self._fault_token})")
+
+    def _prompt_logprobs(self, state: SequenceState, hidden, rows: list[int]):
         """Logprobs of prompt tokens start+1 .. start+len(rows), each given what precedes it."""
-        req = s.request
         logprobs = self.model.compute_logits(hidden[rows]).log_softmax(-1).cpu()
-        first = req.num_computed_tokens + 1  # position of the token the first row predicts
-        targets = torch.tensor(req.prompt_token_ids[first:first + len(rows)])
-        return [top_logprobs(logprobs[i], targets[i], req.params.prompt_logprobs)
+        first = state.num_computed_tokens + 1  # position of the token the first row predicts
+        targets = torch.tensor(state.prompt_token_ids[first:first + len(rows)])
+        return [top_logprobs(logprobs[i], targets[i], state.params.prompt_logprobs)
                 for i in range(len(rows))]
 
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from heron.engine.request import Request
+from heron.worker.input_batch import SequenceState
 from heron.outputs import PositionLogprobs
 
 
@@ -42,7 +42,7 @@ def top_logprobs(logprobs: torch.Tensor, token_ids: int | torch.Tensor,
 MIN_REPETITION_PENALTY = 1e-4
 
 
-def _apply_penalties(logits: torch.Tensor, requests: list[Request]) -> None:
+def _apply_penalties(logits: torch.Tensor, requests: list[SequenceState]) -> None:
     """In place. Repetition penalty over prompt + output (HF semantics); presence and
     frequency penalties over output tokens only (OpenAI semantics)."""
     vocab = logits.shape[-1]
@@ -62,7 +62,7 @@ def _apply_penalties(logits: torch.Tensor, requests: list[Request]) -> None:
             logits[row] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
 
 
-def _mask_min_tokens(logits: torch.Tensor, requests: list[Request]) -> None:
+def _mask_min_tokens(logits: torch.Tensor, requests: list[SequenceState]) -> None:
     for row, req in enumerate(requests):
         if req.num_output_tokens < req.params.min_tokens:
             banned = list(req.params.stop_token_ids)
@@ -72,7 +72,7 @@ def _mask_min_tokens(logits: torch.Tensor, requests: list[Request]) -> None:
                 logits[row, banned] = float("-inf")
 
 
-def _filter(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+def _filter(logits: torch.Tensor, requests: list[SequenceState]) -> torch.Tensor:
     """Temperature, top-k, top-p and min-p on rows that sample; returns probabilities."""
     dev = logits.device
     temps = torch.tensor([r.params.temperature for r in requests], dtype=logits.dtype, device=dev)
@@ -99,7 +99,7 @@ def _filter(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
     return probs
 
 
-def _draw(probs: torch.Tensor, requests: list[Request], generator: torch.Generator):
+def _draw(probs: torch.Tensor, requests: list[SequenceState], generator: torch.Generator):
     """Exponential-race sampling: argmax(p / E), E ~ Exp(1), one draw per row.
 
     ``generator`` lives on the probabilities' device; a request's own generator lives on the
@@ -125,7 +125,7 @@ class Sampler:
     def __init__(self, seed: int = 0, device: torch.device | str = "cpu") -> None:
         self.generator = torch.Generator(device=torch.device(device)).manual_seed(seed)
 
-    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
+    def __call__(self, logits: torch.Tensor, requests: list[SequenceState]) -> SamplerOutput:
         """logits: (B, V) float32 on the sampler's device, one row per request that samples."""
         logits = logits.float()
         raw_logprobs = None

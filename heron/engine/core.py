@@ -1,0 +1,234 @@
+"""The engine core: scheduler + KV cache + executor. Token ids in, ``SequenceDelta``s out.
+
+Loop of one ``step()``: schedule (plain-data step message) -> the executor runs it on the
+worker -> ``Scheduler.update_from_output`` applies the outcome -> each sequence that progressed
+yields its delta. Nothing here decodes text or copies a sequence's history: stop strings and
+n > 1 grouping belong to ``output_processor.OutputProcessor``, which tells the core (through
+``finish_sequence``) when a stop string ends a sequence.
+
+A request whose processing raises is finished with finish_reason "error" (its n siblings too)
+and the others go on; ``EngineFault`` when no request explains the failure.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from heron.config import EngineConfig
+from heron.engine.core_outputs import SequenceDelta
+from heron.engine.isolation import EngineFault, describe, run_isolating
+from heron.engine.kv_cache import KVCacheManager
+from heron.engine.request import Request, RequestStatus
+from heron.engine.scheduler import Scheduler
+from heron.engine.sequence_deltas import sequence_delta
+from heron.executor import Executor, make_executor
+from heron.loader.model_source import resolve_model
+from heron.models import ModelArchConfig, get_model_class
+from heron.models.config import architecture_of
+from heron.sampling_params import SamplingParams, child_seed
+from heron.worker.step import ModelRunnerOutput, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+# A step fails as a whole when every request in it fails alone. That is an engine fault (not
+# the requests') when they belong to different user requests, or when it happens this many
+# steps in a row: a bad request (or its n siblings) fails once, a broken engine every time.
+MAX_FAILED_STEPS = 3
+
+
+def _eos_ids(source, arch: ModelArchConfig) -> tuple[int, ...]:
+    eos = source.generation_config.get("eos_token_id")
+    if eos is None:
+        return arch.eos_token_ids
+    return tuple(eos) if isinstance(eos, list) else (eos,)
+
+
+class EngineCore:
+    """Owns the scheduler, the KV cache and the executor of one model."""
+
+    def __init__(self, config: EngineConfig, executor: Executor | None = None) -> None:
+        self.config = config
+        started = time.monotonic()
+        source = resolve_model(config.model, config.load_format)
+        get_model_class(architecture_of(source.hf_config))  # unsupported: fail before loading
+        self.arch = ModelArchConfig.from_hf(source.hf_config)
+        self.model_name = source.name
+        self.tokenizer_dir = source.tokenizer_dir  # where another process can load it from
+        self.eos_token_ids = _eos_ids(source, self.arch)
+        self.executor = executor or make_executor(config)
+        info = self.executor.info
+        self.max_model_len = info.max_model_len
+        self.kv_cache = KVCacheManager(info.num_kv_blocks, config.cache.block_size,
+                                       config.cache.enable_prefix_caching,
+                                       record_events=config.kv_events_endpoint is not None)
+        self.scheduler = Scheduler(config.scheduler, self.kv_cache, self.max_model_len)
+        self.sequences: dict[str, list[Request]] = {}  # request id -> its n sequences
+        self._failed_steps = 0  # consecutive steps in which every request failed
+        logger.info("heron engine core ready: %s (%s, %s, %s backend, %s executor) with %d KV "
+                    "blocks x %d tokens in %.1fs", self.model_name, self.arch.architecture,
+                    config.dtype, info.attention_backend, config.distributed_executor_backend,
+                    info.num_kv_blocks, config.cache.block_size, time.monotonic() - started)
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()
+
+    # ---- requests ------------------------------------------------------------------------
+    def validate(self, token_ids: list[int], params: SamplingParams) -> None:
+        """ValueError for a prompt or parameters this model cannot take."""
+        if not token_ids:
+            raise ValueError("the prompt is empty")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(f"the prompt has {len(token_ids)} tokens but max_model_len is "
+                             f"{self.max_model_len}: no room to generate")
+        vocab = self.arch.vocab_size
+        bad = [t for t in token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"token ids out of the vocabulary [0, {vocab}): {bad[:5]}")
+        bad = [t for t in params.stop_token_ids if t >= vocab]
+        if bad:
+            raise ValueError(f"stop_token_ids out of the vocabulary [0, {vocab}): {bad[:5]}")
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    arrival_time: float | None = None, cache_salt: str | None = None) -> None:
+        """Validate and queue the request's n sequences; ValueError (queueing nothing) for bad
+        input. ``arrival_time`` (time.monotonic) defaults to now; requests share cached
+        prefixes only with requests of the same ``cache_salt``."""
+        if request_id in self.sequences:
+            raise ValueError(f"duplicate request id {request_id!r}")
+        token_ids = list(prompt_token_ids)
+        self.validate(token_ids, params)
+        room = self.max_model_len - len(token_ids)
+        max_tokens = min(params.max_tokens or room, room)
+        children = [self._child(request_id, i, token_ids, params, max_tokens)
+                    for i in range(params.n)]
+        for child in children:
+            child.cache_salt = cache_salt
+            if arrival_time is not None:
+                child.arrival_time = arrival_time
+            self.scheduler.add(child)
+        self.sequences[request_id] = children
+
+    def _child(self, request_id, index, token_ids, params, max_tokens) -> Request:
+        seed = None
+        if params.seed is not None:
+            seed = params.seed if index == 0 else child_seed(params.seed, index)
+        return Request(request_id if params.n == 1 else f"{request_id}#{index}", token_ids,
+                       params, eos_token_ids=self.eos_token_ids, max_tokens=max_tokens,
+                       parent_id=request_id, index=index, generator_seed=seed)
+
+    def abort_request(self, request_id: str) -> list[SequenceDelta]:
+        """Finish every unfinished sequence of the request with "abort"; their final deltas."""
+        children = self.sequences.pop(request_id, None)
+        if children is None:
+            return []
+        deltas = []
+        for child in children:
+            if not child.is_finished:
+                self.scheduler.finish(child, RequestStatus.FINISHED_ABORTED)
+                deltas.append(sequence_delta(child, []))
+        return deltas
+
+    def finish_sequence(self, request_id: str, index: int, stop_reason: str | int) -> None:
+        """A stop string (found downstream) ended sequence ``index``: free it, emit nothing."""
+        children = self.sequences.get(request_id)
+        if children is None or not 0 <= index < len(children):
+            return
+        child = children[index]
+        if not child.is_finished:
+            child.stop_reason = stop_reason
+            self.scheduler.finish(child, RequestStatus.FINISHED_STOPPED)
+        if all(c.is_finished for c in children):
+            del self.sequences[request_id]
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.sequences)
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self.sequences)
+
+    def reset_prefix_cache(self) -> int:
+        """Free every cached KV block no request is using; returns how many were freed."""
+        freed = self.kv_cache.reset_prefix_cache()
+        logger.info("prefix cache reset: %d blocks freed", freed)
+        return freed
+
+    def take_kv_events(self) -> list:
+        """KV events (blocks stored / removed) since the last call; empty unless recorded."""
+        cache = self.kv_cache.prefix_cache
+        return cache.take_events() if cache is not None else []
+
+    # ---- the step ------------------------------------------------------------------------
+    def step(self) -> list[SequenceDelta]:
+        """One iteration; the deltas of the sequences that progressed, finished or failed."""
+        sched = self.scheduler.schedule()
+        deltas = self._fail_groups(self.scheduler.take_failed())
+        if sched.is_empty and not (sched.finished_req_ids or sched.preempted_req_ids):
+            return self._forget_finished(deltas)
+        result = self._execute(sched)
+        deltas += self.scheduler.update_from_output(sched, result)
+        deltas += self._fail_groups(self.scheduler.take_failed())
+        return self._forget_finished(deltas)
+
+    def _execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        """Run the step; on failure, bisect to the requests that cause it and fail those."""
+        everyone = list(range(len(sched.req_ids)))
+
+        def run(part):  # the first run applies the step's state changes, re-runs do not
+            return self.executor.execute_model(sched if part is everyone else sched.only(part))
+
+        if not everyone:
+            return run(everyone)
+        results, failures = run_isolating(run, everyone)
+        self._failed_steps = 0 if results else self._failed_steps + 1
+        if not failures:
+            return results[0]
+        culprits = {self.scheduler.requests[sched.req_ids[i]].parent_id for i, _ in failures}
+        if not results and (len(culprits) > 1 or self._failed_steps >= MAX_FAILED_STEPS):
+            raise EngineFault(f"every request of {self._failed_steps} step(s) failed: "
+                              f"{describe(failures[0][1])}") from failures[0][1]
+        for i, exc in failures:
+            self.scheduler.fail(self.scheduler.requests[sched.req_ids[i]], exc)
+        return ModelRunnerOutput.merge(results)
+
+    def _fail_groups(self, failed: list[tuple[Request, Exception]]) -> list[SequenceDelta]:
+        """Finish the groups of failed sequences with "error" (their unfinished siblings too);
+        the final delta of each sequence finished here."""
+        deltas = []
+        for request, exc in failed:
+            children = self.sequences.get(request.parent_id)
+            if children is None:
+                continue  # its group failed already (or was aborted)
+            reason = describe(exc)
+            for child in children:
+                if not child.is_finished:
+                    self.scheduler.finish(child, RequestStatus.FINISHED_ERROR)
+                if not child.final_delta_sent:
+                    deltas.append(sequence_delta(child, [], error=reason))
+            del self.sequences[request.parent_id]
+        return deltas
+
+    def _forget_finished(self, deltas: list[SequenceDelta]) -> list[SequenceDelta]:
+        for delta in deltas:
+            children = self.sequences.get(delta.request_id)
+            if delta.finished and children is not None and all(c.is_finished for c in children):
+                del self.sequences[delta.request_id]
+        return deltas
+
+    # ---- introspection -------------------------------------------------------------------
+    def stats(self) -> dict:
+        cache = self.kv_cache.prefix_cache
+        return {
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+            "kv_cache_usage": self.kv_cache.usage,
+            "num_free_blocks": self.kv_cache.num_free_blocks,
+            "num_blocks": self.kv_cache.num_blocks,
+            "num_preemptions": self.scheduler.stats.num_preemptions,
+            "num_prefill_tokens": self.scheduler.stats.num_prefill_tokens,
+            "prefix_cache_enabled": cache is not None,
+            "prefix_cache_queries": cache.stats.queries if cache else 0,
+            "prefix_cache_hits": cache.stats.hits if cache else 0,
+            "num_cached_blocks": len(cache) if cache else 0,
+        }

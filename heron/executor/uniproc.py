@@ -1,0 +1,17 @@
+"""One worker inside the engine core's process: steps are plain calls, nothing is encoded."""
+
+from __future__ import annotations
+
+from heron.config import EngineConfig
+from heron.executor.base import Executor
+from heron.worker.step import ModelRunnerOutput, SchedulerOutput
+from heron.worker.worker import Worker
+
+
+class UniprocExecutor(Executor):
+    def __init__(self, config: EngineConfig) -> None:
+        self.worker = Worker(config)
+        self.info = self.worker.info()
+
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        return self.worker.execute_model(sched)

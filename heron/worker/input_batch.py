@@ -1,0 +1,178 @@
+"""The worker's persistent batch state: every sequence it holds, kept across steps.
+
+Each sequence owns one row of preallocated host arrays (its tokens and its block table), so
+a step's flat batch is built by vectorised gathers over rows instead of Python lists rebuilt
+from request objects. A row is taken when the core first sends the sequence and released when
+the core says it finished; preemption keeps the row (tokens, seeded generator) and drops the
+blocks. Updated only from ``step.SchedulerOutput`` and the tokens this worker sampled.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from heron.sampling_params import SamplingParams, params_from_dict
+from heron.worker.batch import HostBatch
+from heron.worker.step import CachedRequests, NewRequest, SchedulerOutput
+
+
+@dataclass(eq=False)
+class SequenceState:
+    """What the sampler and the prompt-logprob pass read about one sequence."""
+
+    req_id: str
+    row: int
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    eos_token_ids: tuple[int, ...]
+    generator: torch.Generator | None = None
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+
+class InputBatch:
+    """Rows of per-sequence state; row ``r`` is free or held by exactly one sequence.
+
+    token_ids[r, :num_tokens[r]] are the sequence's tokens (prompt then outputs);
+    block_table[r, :num_blocks[r]] its KV block ids.
+    """
+
+    def __init__(self, max_num_seqs: int, max_model_len: int, block_size: int) -> None:
+        self.block_size = block_size
+        max_blocks = -(-max_model_len // block_size)
+        # np.zeros is calloc'd: rows and columns never touched cost no memory
+        self.token_ids = np.zeros((max_num_seqs, max_model_len), dtype=np.int64)
+        self.num_tokens = np.zeros(max_num_seqs, dtype=np.int64)
+        self.block_table = np.zeros((max_num_seqs, max_blocks), dtype=np.int64)
+        self.num_blocks = np.zeros(max_num_seqs, dtype=np.int64)
+        self.free_rows = list(range(max_num_seqs - 1, -1, -1))
+        self.states: dict[str, SequenceState] = {}
+
+    def __len__(self) -> int:
+        return len(self.states)
+
+    # ---- updates from the core -------------------------------------------------------------
+    def update(self, sched: SchedulerOutput) -> None:
+        """Apply a step's state changes (before running it)."""
+        for req_id in sched.finished_req_ids:
+            self._remove(req_id)
+        for req_id in sched.preempted_req_ids:
+            if req_id in self.states:
+                self.num_blocks[self.states[req_id].row] = 0
+        for new in sched.new_requests:
+            self._add(new)
+        self._apply_cached(sched.cached)
+
+    def _add(self, new: NewRequest) -> None:
+        if new.req_id in self.states:
+            raise ValueError(f"the worker already holds sequence {new.req_id!r}")
+        if not self.free_rows:
+            raise RuntimeError("the worker's batch is full (more sequences than max_num_seqs)")
+        row = self.free_rows.pop()
+        generator = None
+        if new.generator_seed is not None:
+            generator = torch.Generator().manual_seed(new.generator_seed)
+        state = SequenceState(new.req_id, row, list(new.prompt_token_ids),
+                              params_from_dict(new.params), tuple(new.eos_token_ids), generator,
+                              num_computed_tokens=new.num_computed_tokens)
+        n = len(new.prompt_token_ids)
+        self.token_ids[row, :n] = new.prompt_token_ids
+        self.num_tokens[row] = n
+        self.num_blocks[row] = 0
+        self._append_blocks(row, new.block_ids)
+        self.states[new.req_id] = state
+
+    def _apply_cached(self, cached: CachedRequests) -> None:
+        for req_id, blocks, computed, resumed in zip(cached.req_ids, cached.new_block_ids,
+                                                     cached.num_computed_tokens, cached.resumed):
+            state = self.states[req_id]
+            if resumed:
+                self.num_blocks[state.row] = 0
+            self._append_blocks(state.row, blocks)
+            state.num_computed_tokens = computed
+
+    def _append_blocks(self, row: int, blocks: list[int]) -> None:
+        start = int(self.num_blocks[row])
+        self.block_table[row, start:start + len(blocks)] = blocks
+        self.num_blocks[row] = start + len(blocks)
+
+    def _remove(self, req_id: str) -> None:
+        state = self.states.pop(req_id, None)
+        if state is not None:
+            self.free_rows.append(state.row)
+
+    # ---- after a step ----------------------------------------------------------------------
+    def advance(self, req_ids: list[str], num_tokens: list[int],
+                sampled: list[list[int]]) -> None:
+        """Record a successful step: progress, and the tokens sampled for each sequence."""
+        for req_id, n, tokens in zip(req_ids, num_tokens, sampled):
+            state = self.states[req_id]
+            state.num_computed_tokens += n
+            if tokens:
+                row, end = state.row, int(self.num_tokens[state.row])
+                self.token_ids[row, end:end + len(tokens)] = tokens
+                self.num_tokens[row] = end + len(tokens)
+                state.output_token_ids.extend(tokens)
+
+    # ---- the flat batch of one step -------------------------------------------------------
+    def host_batch(self, req_ids: list[str], num_tokens: list[int]) -> HostBatch:
+        """Sequence ``i`` computes ``num_tokens[i]`` tokens from its ``num_computed_tokens``."""
+        states = [self.states[r] for r in req_ids]
+        rows = np.array([s.row for s in states], dtype=np.int64)  # (N,)
+        query_lens = np.array(num_tokens, dtype=np.int64)  # (N,)
+        starts = np.array([s.num_computed_tokens for s in states], dtype=np.int64)  # (N,)
+        seq_lens = starts + query_lens
+        query_start_loc = np.zeros(len(states) + 1, dtype=np.int64)  # (N + 1,)
+        np.cumsum(query_lens, out=query_start_loc[1:])
+        # token t of sequence i sits at position starts[i] + (t - query_start_loc[i])
+        req_of_token = np.repeat(np.arange(len(states)), query_lens)  # (T,)
+        positions = np.arange(query_start_loc[-1]) + np.repeat(starts - query_start_loc[:-1],
+                                                               query_lens)
+        if np.any(seq_lens > self.num_tokens[rows]):
+            raise ValueError("a sequence is scheduled past the tokens the worker holds")
+        input_ids = self.token_ids[rows[req_of_token], positions]  # (T,)
+        max_blocks = int(self.num_blocks[rows].max())
+        block_tables = self.block_table[rows, :max_blocks]  # (N, max_blocks), padded with 0
+        slots = (block_tables[req_of_token, positions // self.block_size] * self.block_size
+                 + positions % self.block_size)
+        sample_rows = [int(query_start_loc[i + 1]) - 1 for i, s in enumerate(states)
+                       if seq_lens[i] == self.num_tokens[s.row]]
+        return HostBatch(
+            torch.from_numpy(input_ids), torch.from_numpy(positions), torch.from_numpy(slots),
+            torch.from_numpy(seq_lens), torch.from_numpy(query_start_loc),
+            torch.from_numpy(np.ascontiguousarray(block_tables)), query_start_loc.tolist(),
+            query_lens.tolist(), seq_lens.tolist(), sample_rows,
+            _prompt_logprob_rows(states, starts, query_lens, query_start_loc))
+
+
+def _prompt_logprob_rows(states, starts, query_lens, query_start_loc) -> dict[int, list[int]]:
+    """Per batch index, the token rows whose next token is a prompt token to score: rows at
+    positions p < num_prompt - 1 predict prompt token p + 1."""
+    rows: dict[int, list[int]] = {}
+    for i, s in enumerate(states):
+        if s.params.prompt_logprobs is None:
+            continue
+        start = int(starts[i])
+        last = min(start + int(query_lens[i]), s.num_prompt_tokens - 1)
+        if last > start:
+            first_row = int(query_start_loc[i])
+            rows[i] = list(range(first_row, first_row + last - start))
+    return rows

@@ -1,0 +1,104 @@
+"""The step boundary: what the engine core sends a worker each step, and what comes back.
+
+Plain msgspec data (no ``Request`` objects, no tensors), so one message drives an in-process
+worker, a worker process, or later N tensor-parallel ranks. The core describes each request
+once (``NewRequest``: prompt, sampling params, blocks); afterwards a step carries only what
+changed (``CachedRequests``: new block ids, progress) and which requests run how many tokens.
+The worker keeps everything else in its persistent batch state (``input_batch.InputBatch``).
+
+A worker appends the tokens it samples to its own copy of each sequence, so the core never
+sends tokens back. Preemption keeps the worker's state (tokens, seeded generator) but drops
+the blocks; the request comes back in ``CachedRequests`` with ``resumed`` set and a whole new
+block table.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+# One position's logprobs: token id -> (logprob, rank in the vocabulary, 1-based).
+Logprobs = dict[int, tuple[float, int]]
+
+
+class NewRequest(msgspec.Struct, array_like=True):
+    """A sequence the worker has not seen: everything it needs to run and sample it."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    params: dict[str, Any]  # SamplingParams init fields (sampling_params.params_to_dict)
+    block_ids: list[int]
+    num_computed_tokens: int  # > 0 after a prefix-cache hit
+    eos_token_ids: list[int]
+    generator_seed: int | None = None  # this sequence's own seed (n > 1: derived per child)
+
+
+class CachedRequests(msgspec.Struct, array_like=True):
+    """Requests the worker already holds that run this step, with what changed: parallel
+    lists, one entry per request."""
+
+    req_ids: list[str] = []
+    new_block_ids: list[list[int]] = []  # appended to its table (resumed: the whole table)
+    num_computed_tokens: list[int] = []  # the core's count before this step
+    resumed: list[bool] = []  # back from preemption: replace the table, keep the tokens
+
+
+class SchedulerOutput(msgspec.Struct, tag=True):
+    """One step. ``req_ids[i]`` computes ``num_scheduled_tokens[i]`` tokens starting at its
+    ``num_computed_tokens``; the batch is laid out in this order."""
+
+    req_ids: list[str]
+    num_scheduled_tokens: list[int]
+    new_requests: list[NewRequest] = []
+    cached: CachedRequests = msgspec.field(default_factory=CachedRequests)
+    preempted_req_ids: list[str] = []  # blocks gone; state kept for resumption
+    finished_req_ids: list[str] = []  # gone for good (finished, aborted, failed)
+    # speculative tokens proposed per request (scheduled after its last token); none yet
+    spec_token_ids: dict[str, list[int]] = {}
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.req_ids
+
+    def only(self, indices: list[int]) -> SchedulerOutput:
+        """The same step restricted to some of its requests and carrying no state changes
+        (already applied): how fault isolation re-runs parts of a failed step."""
+        return SchedulerOutput([self.req_ids[i] for i in indices],
+                               [self.num_scheduled_tokens[i] for i in indices])
+
+
+class ModelRunnerOutput(msgspec.Struct, tag=True):
+    """Per scheduled request, in ``SchedulerOutput.req_ids`` order: the tokens sampled this
+    step (empty mid-prefill; one today; accepted speculative tokens plus one later) and, if
+    asked for, one logprobs entry per sampled token."""
+
+    req_ids: list[str]
+    sampled_token_ids: list[list[int]]
+    logprobs: list[list[Logprobs] | None]
+    # prompt logprobs computed this step: req id -> entries for positions
+    # [first, first + len) where first = num_computed_tokens + 1 before the step
+    prompt_logprobs: dict[str, list[Logprobs]] = {}
+
+    @classmethod
+    def merge(cls, parts: list[ModelRunnerOutput]) -> ModelRunnerOutput:
+        merged = cls([], [], [], {})
+        for part in parts:
+            merged.req_ids += part.req_ids
+            merged.sampled_token_ids += part.sampled_token_ids
+            merged.logprobs += part.logprobs
+            merged.prompt_logprobs.update(part.prompt_logprobs)
+        return merged
+
+
+class WorkerInfo(msgspec.Struct, tag=True):
+    """What a loaded worker tells the core: the KV capacity it sized and the context it fits."""
+
+    num_kv_blocks: int
+    max_model_len: int
+    attention_backend: str
+    device: str
