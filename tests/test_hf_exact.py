@@ -17,6 +17,9 @@ SETTINGS = {
     "chunked+preempt": dict(max_num_batched_tokens=16, block_size=4, num_kv_blocks=24,
                             max_num_seqs=4),
     "large-budget": dict(max_num_batched_tokens=512, block_size=16, max_num_seqs=8),
+    # the same through a worker process: every step crosses the boundary encoded
+    "mp:chunked+preempt": dict(max_num_batched_tokens=16, block_size=4, num_kv_blocks=24,
+                               max_num_seqs=4, distributed_executor_backend="mp"),
 }
 
 
@@ -60,7 +63,7 @@ def test_greedy_and_logprobs_match_hf(tiny, setting):
         for step, ref in enumerate(ref_logprobs):
             for token, lp in ref.items():
                 assert got.logprobs[step][token][0] == pytest.approx(lp, abs=1e-4)
-    if setting == "chunked+preempt":
+    if setting.endswith("chunked+preempt"):
         assert llm.engine.scheduler.stats.num_preemptions > 0
         assert any(chunks and decodes for chunks, decodes in mixes), "no mixed step happened"
     assert llm.engine.kv_cache.num_free_blocks == llm.engine.kv_cache.num_blocks

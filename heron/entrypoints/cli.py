@@ -45,6 +45,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                         "prefix first (with a fairness cap)")
     g.add_argument("--threads", type=int, default=None,
                    help="torch intra-op threads of the engine (default: torch's choice)")
+    g.add_argument("--distributed-executor-backend", choices=("uni", "mp"), default="uni",
+                   help="uni: the model runs in the engine's process; mp: in a worker "
+                        "process of its own")
     g.add_argument("-v", "--verbose", action="store_true", help="log engine details")
 
 
@@ -82,7 +85,8 @@ def _make_llm(args):
                enable_prefix_caching=args.enable_prefix_caching,
                scheduling_policy=args.scheduling_policy,
                attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
-               num_threads=args.threads)
+               num_threads=args.threads,
+               distributed_executor_backend=args.distributed_executor_backend)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -152,6 +156,7 @@ def _serve(args) -> int:
         kv_events_endpoint=args.kv_events_endpoint,
         attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
         seed=args.seed, num_threads=args.threads,
+        distributed_executor_backend=args.distributed_executor_backend,
         cache=CacheConfig(block_size=args.block_size, num_blocks=args.num_kv_blocks,
                           max_memory_gb=args.kv_cache_memory,
                           enable_prefix_caching=args.enable_prefix_caching),

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import weakref
 
 import msgspec
 import zmq
@@ -46,6 +47,9 @@ class MultiprocExecutor(Executor):
         self._decoder = msgspec.msgpack.Decoder(WorkerMsg)
         self._proc = subprocess.Popen(
             [sys.executable, "-m", "heron.executor.worker_process", address, str(os.getpid())])
+        # an executor dropped without shutdown() (or at exit) still stops its worker
+        self._finalizer = weakref.finalize(self, _stop, self._proc, self._ctx, self._sock,
+                                           self._tmpdir)
         try:
             self._sock.send(msgspec.msgpack.encode(config))
             info = self._receive(STARTUP_TIMEOUT_S)
@@ -79,14 +83,17 @@ class MultiprocExecutor(Executor):
         return self._proc.pid
 
     def shutdown(self) -> None:
-        if self._proc.poll() is None:
-            self._proc.terminate()
-            try:
-                self._proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self._proc.kill()
-                self._proc.wait(5)
-        if not self._sock.closed:
-            self._sock.close()
-            self._ctx.term()
-        shutil.rmtree(self._tmpdir, ignore_errors=True)
+        self._finalizer()
+
+
+def _stop(proc: subprocess.Popen, ctx: zmq.Context, sock: zmq.Socket, tmpdir: str) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+    sock.close()
+    ctx.term()
+    shutil.rmtree(tmpdir, ignore_errors=True)
