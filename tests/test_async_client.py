@@ -17,6 +17,8 @@ import pytest
 from hf_reference import make_tiny_model
 from heron import LLM, SamplingParams
 from heron.config import CacheConfig, EngineConfig, SchedulerConfig
+from heron.engine.core_outputs import RequestOutputKind
+from heron.outputs import OutputAccumulator
 from heron.transport.async_client import AsyncEngineClient, EngineDeadError
 
 TINY = dict(max_model_len=256, max_num_batched_tokens=64, max_num_seqs=16, num_kv_blocks=64)
@@ -60,15 +62,21 @@ def tiny_client(loop, tiny_dir):
 
 
 async def _collect(client, request_id, prompt, params):
-    """Every output yielded for one request, checking that each extends the previous one."""
-    outs = []
+    """Every delta output yielded for one request, then (last) their fold: the cumulative
+    output. Checks that a finished completion never reappears and prompt logprobs come once."""
+    outs, acc, done, prompt_logprobs_seen = [], OutputAccumulator(), set(), 0
     async for out in client.generate(request_id, prompt, params):
-        for prev, cur in zip(outs[-1].outputs if outs else [], out.outputs):
-            assert cur.token_ids[:len(prev.token_ids)] == prev.token_ids
-            assert cur.text.startswith(prev.text)
+        assert out.outputs and len({c.index for c in out.outputs}) == len(out.outputs)
+        for c in out.outputs:
+            assert c.index not in done
+            if c.finished:
+                done.add(c.index)
+        prompt_logprobs_seen += out.prompt_logprobs is not None
         outs.append(out)
+        acc.add(out)
     assert outs[-1].finished and not any(o.finished for o in outs[:-1])
-    return outs
+    assert done == set(range(params.n)) and prompt_logprobs_seen <= 1
+    return outs + [acc.output()]
 
 
 async def _collect_all(client, prompts, params, prefix="r"):
@@ -115,9 +123,31 @@ def test_outputs_equal_offline(loop, tiny_client, tiny_llm):
     streams = _run(loop, _collect_all(tiny_client, prompts, params))
     for outs, w in zip(streams, want):
         _assert_same(outs[-1], w)
-    assert len(streams[0]) > 1  # streamed, not delivered all at once
+    assert len(streams[0]) > 2  # streamed, not delivered all at once
     assert streams[2][-1].outputs[0].stop_reason == ref.outputs[0].token_ids[5]
     assert tiny_client.vocab_size == 512 and tiny_client.max_model_len == 256
+
+
+def test_cumulative_and_final_only_kinds(loop, tiny_client, tiny_llm):
+    params = SamplingParams(n=2, temperature=1.0, seed=11, max_tokens=10, logprobs=2,
+                            prompt_logprobs=1, ignore_eos=True)
+    want = tiny_llm.generate([[7, 8, 9]], params)[0]
+
+    async def body(kind):
+        return [out async for out in tiny_client.generate(f"kind-{kind.value}", [7, 8, 9],
+                                                          params, output_kind=kind)]
+
+    cumulative = _run(loop, body(RequestOutputKind.CUMULATIVE))
+    assert len(cumulative) > 1 and not any(o.finished for o in cumulative[:-1])
+    for prev, cur in zip(cumulative, cumulative[1:]):  # each extends the one before
+        assert [c.index for c in cur.outputs] == [0, 1]
+        for p, c in zip(prev.outputs, cur.outputs):
+            assert c.token_ids[:len(p.token_ids)] == p.token_ids and c.text.startswith(p.text)
+    assert all(o.prompt_logprobs is not None for o in cumulative)
+    _assert_same(cumulative[-1], want)
+    final_only = _run(loop, body(RequestOutputKind.FINAL_ONLY))
+    assert len(final_only) == 1 and final_only[0].finished
+    _assert_same(final_only[0], want)
 
 
 def test_32_concurrent_requests(loop, tiny_client, tiny_llm):

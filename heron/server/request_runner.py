@@ -1,5 +1,6 @@
-"""Runs one admitted request against the engine client: tokens in, RequestOutputs out,
-with admission release, per-request metrics and abort on client disconnect."""
+"""Runs one admitted request against the engine client: tokens in, delta RequestOutputs out
+(folded into final ones for non-streaming answers), with per-request metrics and abort on
+client disconnect."""
 
 from __future__ import annotations
 
@@ -7,11 +8,13 @@ import asyncio
 import contextlib
 import logging
 import time
+from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 from fastapi import Request
 
-from heron.outputs import RequestOutput
+from heron.engine.core_outputs import RequestOutputKind
+from heron.outputs import OutputAccumulator, RequestOutput
 from heron.sampling_params import SamplingParams
 from heron.server.errors import RequestValidationError
 
@@ -52,30 +55,46 @@ def check_request(state, prompts: list[list[int]], params: SamplingParams) -> No
                                      "stop_token_ids")
 
 
+@dataclass
+class _Tally:
+    """What one request's metrics need, gathered from its delta outputs in O(1) each."""
+
+    completion_tokens: int = 0
+    finish_reason: str | None = None  # of completion 0
+    token_times: list[float] = field(default_factory=list)
+
+    def add(self, out: RequestOutput) -> None:
+        self.token_times.append(time.monotonic())
+        for comp in out.outputs:
+            self.completion_tokens += len(comp.token_ids)
+            if comp.index == 0 and comp.finish_reason is not None:
+                self.finish_reason = comp.finish_reason
+
+
 async def stream_outputs(state, request_id: str, prompt_ids: list[int], params: SamplingParams,
                          cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
-    """Yield cumulative outputs; record metrics once the request ends."""
-    token_times: list[float] = []
-    last = None
-    gen = state.client.generate(request_id, prompt_ids, params, cache_salt)
+    """Yield delta outputs (``RequestOutputKind.DELTA``); record metrics once it ends."""
+    tally, last = _Tally(), None
+    gen = state.client.generate(request_id, prompt_ids, params, cache_salt,
+                                output_kind=RequestOutputKind.DELTA)
     # aclosing: closing this generator must close the engine stream now (-> abort), not at GC
     async with contextlib.aclosing(gen):
         async for out in gen:
-            token_times.append(time.monotonic())
+            tally.add(out)
             last = out
             yield out
     if last is not None:
-        _observe(state.metrics, last, token_times)
+        _observe(state.metrics, last, tally)
 
 
-def _observe(metrics, out: RequestOutput, token_times: list[float]) -> None:
+def _observe(metrics, out: RequestOutput, tally: _Tally) -> None:
     """Feed the Prometheus metrics and write the one log line per finished request."""
-    m = out.metrics
-    completion = sum(len(c.token_ids) for c in out.outputs)
+    m, token_times = out.metrics, tally.token_times
+    completion = tally.completion_tokens
     arrival = m.get("arrival_time") or token_times[0]
     first = m.get("first_token_time") or token_times[0]
     finish = m.get("finish_time") or token_times[-1]
-    reason = out.outputs[0].finish_reason or "abort"
+    reason = tally.finish_reason or "abort"
     scheduled = m.get("scheduled_time")
     metrics.observe_request_finished(
         prompt_tokens=len(out.prompt_token_ids), completion_tokens=completion, arrival=arrival,
@@ -90,14 +109,15 @@ def _observe(metrics, out: RequestOutput, token_times: list[float]) -> None:
 async def run_all_to_completion(http_request: Request,
                                 streams: list[AsyncIterator[RequestOutput]]
                                 ) -> list[RequestOutput] | None:
-    """Drain every stream; their final outputs, or None (all aborted) if the HTTP client
-    disconnects first. If one stream fails, the others are aborted and the error raised."""
+    """Drain every stream of delta outputs; their final cumulative outputs (each piece
+    copied once, text joined once), or None (all aborted) if the HTTP client disconnects
+    first. If one stream fails, the others are aborted and the error raised."""
 
     async def drain(outputs):
-        final = None
+        acc = OutputAccumulator()
         async for out in outputs:
-            final = out
-        return final
+            acc.add(out)
+        return acc.output(copy=False)
 
     tasks = [asyncio.ensure_future(drain(s)) for s in streams]
     try:

@@ -49,7 +49,8 @@ async def create_chat_completion(req: ChatCompletionRequest, http_request: Reque
     k = req.top_logprobs or 0
     choices = [ChatCompletionChoice(
         index=c.index, message=ChatResponseMessage(content=c.text),
-        logprobs=ChatChoiceLogprobs(content=chat_logprobs(tokenizer, c.token_ids, c.logprobs, k))
+        logprobs=ChatChoiceLogprobs(
+            content=chat_logprobs(tokenizer, c.token_ids, c.logprobs or [], k))
         if req.logprobs else None,
         finish_reason=c.finish_reason, stop_reason=c.stop_reason) for c in final.outputs]
     usage = Usage.of(len(prompt), sum(len(c.token_ids) for c in final.outputs),
@@ -75,14 +76,13 @@ async def _stream(req, state, request_id, prompt, outputs, admission):
                 if cursor.is_new(c.index):
                     yield chunk(ChatCompletionStreamChoice(
                         index=c.index, delta=DeltaMessage(role="assistant", content="")))
-                new = cursor.advance(c.index, c)
-                if new is None:
+                if (new := cursor.take(c.index, c)) is None:
                     continue
-                text, first_token = new
+                text, token_ids, positions, _ = new
                 logprobs = None
                 if req.logprobs:
                     logprobs = ChatChoiceLogprobs(content=chat_logprobs(
-                        tokenizer, c.token_ids[first_token:], c.logprobs[first_token:], k))
+                        tokenizer, token_ids, positions or [], k))
                 yield chunk(ChatCompletionStreamChoice(
                     index=c.index, delta=DeltaMessage(content=text),
                     logprobs=logprobs, finish_reason=c.finish_reason))

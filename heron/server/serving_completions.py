@@ -33,7 +33,7 @@ async def create_completion(req: CompletionRequest, http_request: Request, state
     streams = [stream_outputs(state, f"{base_id}-{i}", ids, params, req.cache_salt)
                for i, ids in enumerate(prompts)]
     if req.stream:
-        events = _stream(req, state, base_id, prompts, streams, admission)
+        events = _stream(req, state, base_id, prompts, params.n, streams, admission)
         return StreamingResponse(with_error_event(events), media_type="text/event-stream")
     try:
         finals = await run_all_to_completion(http_request, streams)
@@ -41,20 +41,19 @@ async def create_completion(req: CompletionRequest, http_request: Request, state
         admission.release()
     if finals is None:
         return JSONResponse({}, status_code=499)  # client went away; nobody reads this
-    choices = [c for i, f in enumerate(finals) for c in _choices(req, tokenizer, i, f)]
+    choices = [c for i, f in enumerate(finals) for c in _choices(req, tokenizer, i, params.n, f)]
     usage = Usage.of(sum(len(p) for p in prompts),
                      sum(len(c.token_ids) for f in finals for c in f.outputs),
                      sum(f.num_cached_tokens for f in finals))
     return CompletionResponse(id=base_id, model=state.model_name, choices=choices, usage=usage)
 
 
-def _choices(req: CompletionRequest, tokenizer, prompt_index: int, out: RequestOutput):
-    n = len(out.outputs)
+def _choices(req: CompletionRequest, tokenizer, prompt_index: int, n: int, out: RequestOutput):
     prompt_text = tokenizer.decode(out.prompt_token_ids) if req.echo else ""
     for comp in out.outputs:
         logprobs = None
         if req.logprobs is not None:
-            ids, positions = comp.token_ids, comp.logprobs
+            ids, positions = comp.token_ids, comp.logprobs or []
             if req.echo:
                 ids = out.prompt_token_ids + ids
                 positions = list(out.prompt_logprobs or []) + positions
@@ -95,14 +94,14 @@ async def _merge(streams: list[AsyncIterator[RequestOutput]]):
         await asyncio.gather(*tasks, return_exceptions=True)  # each pump closes its stream
 
 
-async def _stream(req, state, base_id, prompts, streams, admission):
+async def _stream(req, state, base_id, prompts, n, streams, admission):
     cursor = StreamCursor()
     cached_tokens: dict[int, int] = {}  # prompt index -> its prefix-cache hit
     try:
         async with contextlib.aclosing(_merge(streams)) as merged:
             async for i, out in merged:
                 cached_tokens[i] = out.num_cached_tokens
-                for chunk in _chunks(req, state, base_id, i, out, cursor):
+                for chunk in _chunks(req, state, base_id, i, n, out, cursor):
                     yield chunk
         if req.include_usage:
             usage = Usage.of(sum(len(p) for p in prompts), cursor.completion_tokens,
@@ -114,24 +113,21 @@ async def _stream(req, state, base_id, prompts, streams, admission):
         admission.release()
 
 
-def _chunks(req, state, base_id, i, out, cursor: StreamCursor):
-    """SSE events for what ``out`` adds beyond what was sent (per prompt i, completion index)."""
+def _chunks(req, state, base_id, i, n, out, cursor: StreamCursor):
+    """SSE events for delta ``out`` of prompt i (choice index i * n + completion index)."""
     tokenizer = state.client.tokenizer
-    n = len(out.outputs)
     for comp in out.outputs:
         key = (i, comp.index)
         if cursor.is_new(key) and req.echo:
             yield sse_event(_chunk(base_id, state, i * n + comp.index,
                                    tokenizer.decode(out.prompt_token_ids), None))
-        offset = cursor.text.get(key, 0)
-        new = cursor.advance(key, comp)
-        if new is None:
+        if (new := cursor.take(key, comp)) is None:
             continue
-        text, first_token = new
+        text, token_ids, positions, offset = new
         logprobs = None
         if req.logprobs is not None:
-            logprobs = completion_logprobs(tokenizer, comp.token_ids[first_token:],
-                                           comp.logprobs[first_token:], req.logprobs, offset)
+            logprobs = completion_logprobs(tokenizer, token_ids, positions or [], req.logprobs,
+                                           offset)
         yield sse_event(_chunk(base_id, state, i * n + comp.index, text,
                                comp.finish_reason, logprobs, comp.stop_reason))
 

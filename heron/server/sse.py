@@ -46,31 +46,38 @@ async def with_error_event(events: AsyncIterator[str]) -> AsyncIterator[str]:
 
 @dataclass
 class StreamCursor:
-    """What a streaming client has been sent, per completion key: text length, token count,
-    and whether its final chunk went out (a finished completion is never sent again)."""
+    """Per completion key, what a streaming client has been sent, for delta outputs: whether
+    the completion has been seen, how much text went out (for text offsets), the tokens that
+    came without text (held back: a stop string may begin there), and the tokens sent in all.
+    Every call costs O(its delta): nothing is re-read or diffed."""
 
-    text: dict = field(default_factory=dict)
-    tokens: dict = field(default_factory=dict)
-    done: set = field(default_factory=set)
+    seen: set = field(default_factory=set)
+    text_sent: dict = field(default_factory=dict)
+    held: dict = field(default_factory=dict)  # key -> (token ids, logprobs or None)
+    completion_tokens: int = 0
 
     def is_new(self, key) -> bool:
-        return key not in self.text and key not in self.done
+        """True the first time ``key`` is asked about."""
+        if key in self.seen:
+            return False
+        self.seen.add(key)
+        return True
 
-    def advance(self, key, comp: CompletionOutput) -> tuple[str, int] | None:
-        """(new text, index of the first new token) of ``comp``, or None if nothing to send."""
-        if key in self.done:
+    def take(self, key, comp: CompletionOutput) -> tuple[str, list, list | None, int] | None:
+        """For delta ``comp``: (text, token ids, logprobs, text offset) to send now, or None
+        while it brings no text and no finish (its tokens then go out with the next chunk)."""
+        self.completion_tokens += len(comp.token_ids)
+        ids, logprobs = comp.token_ids, comp.logprobs
+        if (held := self.held.pop(key, None)) is not None:
+            ids, logprobs = held
+            ids.extend(comp.token_ids)
+            if logprobs is not None and comp.logprobs is not None:
+                logprobs.extend(comp.logprobs)
+        if not comp.text and comp.finish_reason is None:
+            if held is None:  # our own lists: the delta's are not ours to extend
+                ids, logprobs = list(ids), (list(logprobs) if logprobs is not None else None)
+            self.held[key] = ids, logprobs
             return None
-        start, first_token = self.text.get(key, 0), self.tokens.get(key, 0)
-        finished = comp.finish_reason is not None
-        if len(comp.text) == start and not finished:
-            self.text.setdefault(key, 0)
-            return None
-        self.text[key], self.tokens[key] = len(comp.text), len(comp.token_ids)
-        if finished:
-            self.done.add(key)
-        return comp.text[start:], first_token
-
-    @property
-    def completion_tokens(self) -> int:
-        """Tokens of the completions that have finished."""
-        return sum(self.tokens[key] for key in self.done)
+        offset = self.text_sent.get(key, 0)
+        self.text_sent[key] = offset + len(comp.text)
+        return comp.text, ids, logprobs, offset

@@ -2,8 +2,10 @@
 
 The core runs in a spawned process (see ``core_process``). This side binds two ZMQ sockets in
 a private temp dir: a PUSH for ``AddRequest`` / ``Abort`` / ``Shutdown`` (sent without blocking)
-and a PULL read by one background task, which routes ``OutputDelta``s to per-request queues
-and keeps the latest stats. ``generate`` accumulates deltas into cumulative ``RequestOutput``s.
+and a PULL read by one background task, which turns each message's ``OutputDelta``s into delta
+``RequestOutput``s on per-request queues and keeps the latest stats. ``generate`` yields
+deltas (merging what queued while its consumer was busy), or folds them for the cumulative
+and final-only kinds.
 
 The core is dead once its process exits, it reports a fatal error, or its heartbeat (see
 ``heartbeat.py``) is silent for ``HEARTBEAT_TIMEOUT_S`` seconds (a frozen core is killed then).
@@ -13,6 +15,7 @@ Every pending request then fails with ``EngineDeadError`` and ``wait_failed`` re
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import multiprocessing
 import shutil
@@ -29,7 +32,9 @@ from heron.config import EngineConfig
 from heron.transport import messages as m
 from heron.transport.core_process import run_engine_core
 from heron.loader.model_source import load_tokenizer
-from heron.outputs import CompletionOutput, RequestOutput
+from heron.engine.core_outputs import RequestOutputKind
+from heron.outputs import (CompletionOutput, OutputAccumulator, RequestOutput,
+                           merge_deltas)
 from heron.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -49,45 +54,47 @@ class RequestFailedError(RuntimeError):
 
 @dataclass
 class _Stream:
-    """One in-flight ``generate``: its queue and the outputs accumulated so far."""
+    """One in-flight ``generate``: its queue of delta outputs (or an exception to raise), and
+    what its wire deltas carry only once (prompt facts, metric times)."""
 
+    request_id: str
     prompt_token_ids: list[int]
-    completions: list[CompletionOutput]
+    num_unfinished: int  # completions not finished yet
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
-    prompt_logprobs: list | None = None
     metrics: dict = field(default_factory=dict)
     num_cached_tokens: int = 0
-    error: str | None = None  # the engine failed the request (finish_reason "error")
 
-    def apply(self, delta: m.OutputDelta) -> None:
-        comp = self.completions[delta.index]
-        comp.token_ids.extend(delta.new_token_ids)
-        comp.text += delta.new_text
-        if comp.logprobs is not None and delta.new_logprobs:
-            comp.logprobs.extend(m.decode_logprobs(p) for p in delta.new_logprobs)
-        if delta.finish_reason is not None:
-            comp.finish_reason, comp.stop_reason = delta.finish_reason, delta.stop_reason
-        if delta.error is not None:
-            self.error = delta.error
-        if delta.num_cached_tokens:
-            self.num_cached_tokens = delta.num_cached_tokens
-        if delta.prompt_logprobs is not None:
-            self.prompt_logprobs = [m.decode_logprobs(p) for p in delta.prompt_logprobs]
-        for key in ("arrival_time", "scheduled_time", "first_token_time",
-                    "finish_time"):
-            if getattr(delta, key) is not None:
-                self.metrics[key] = getattr(delta, key)
-        self.metrics["num_preemptions"] = delta.num_preemptions
+    def to_output(self, deltas: list[m.OutputDelta]) -> RequestOutput:
+        """One delta ``RequestOutput`` for the wire deltas of one message: the token lists
+        are passed on as decoded, nothing is copied."""
+        comps, prompt_logprobs, error = [], None, None
+        for delta in deltas:
+            logprobs = None
+            if delta.new_logprobs is not None:
+                logprobs = [m.decode_logprobs(p) for p in delta.new_logprobs]
+            comps.append(CompletionOutput(delta.index, delta.new_text, delta.new_token_ids,
+                                          logprobs, delta.finish_reason, delta.stop_reason))
+            if delta.finish_reason is not None:
+                self.num_unfinished -= 1
+            error = delta.error or error
+            if delta.num_cached_tokens:
+                self.num_cached_tokens = delta.num_cached_tokens
+            if delta.prompt_logprobs is not None:
+                prompt_logprobs = [m.decode_logprobs(p) for p in delta.prompt_logprobs]
+            for key in _METRIC_TIMES:
+                if (value := getattr(delta, key)) is not None:
+                    self.metrics[key] = value
+            self.metrics["num_preemptions"] = delta.num_preemptions
+        out = RequestOutput(self.request_id, None, self.prompt_token_ids, comps,
+                            finished=self.num_unfinished <= 0, prompt_logprobs=prompt_logprobs,
+                            metrics=dict(self.metrics), num_cached_tokens=self.num_cached_tokens,
+                            error=error)
+        if len({c.index for c in comps}) < len(comps):  # one completion twice: merge them
+            return merge_deltas([dataclasses.replace(out, outputs=[c]) for c in comps])
+        return out
 
-    def snapshot(self, request_id: str) -> RequestOutput:
-        """A fresh cumulative output (later deltas never mutate what was yielded)."""
-        outs = [CompletionOutput(c.index, c.text, list(c.token_ids),
-                                 list(c.logprobs) if c.logprobs is not None else None,
-                                 c.finish_reason, c.stop_reason) for c in self.completions]
-        return RequestOutput(request_id, None, self.prompt_token_ids, outs,
-                             finished=all(c.finished for c in outs),
-                             prompt_logprobs=self.prompt_logprobs, metrics=dict(self.metrics),
-                             num_cached_tokens=self.num_cached_tokens)
+
+_METRIC_TIMES = ("arrival_time", "scheduled_time", "first_token_time", "finish_time")
 
 
 class AsyncEngineClient:
@@ -187,9 +194,16 @@ class AsyncEngineClient:
 
     # ---- requests ------------------------------------------------------------------------
     async def generate(self, request_id: str, prompt_token_ids: list[int],
-                       params: SamplingParams, cache_salt: str | None = None
+                       params: SamplingParams, cache_salt: str | None = None,
+                       output_kind: RequestOutputKind = RequestOutputKind.DELTA
                        ) -> AsyncIterator[RequestOutput]:
-        """Yield cumulative outputs as they progress; the last has ``finished=True``.
+        """Yield outputs as the request progresses; the last has ``finished=True``.
+
+        ``output_kind`` DELTA (the default, O(1) per token): each output names the completions
+        that progressed and carries only their new tokens, text and logprobs since the previous
+        output (all that queued while the consumer was busy, merged), a completion's finish
+        reason on its last piece, ``prompt_logprobs`` once. CUMULATIVE: everything so far each
+        time (a fresh copy: O(length) per output). FINAL_ONLY: one output, at the end.
         Requests share cached prefixes only with requests of the same ``cache_salt``.
 
         Raises ValueError if the engine rejects the request, RequestFailedError if it fails
@@ -200,24 +214,35 @@ class AsyncEngineClient:
             raise EngineDeadError(self._dead)
         if request_id in self._streams:
             raise ValueError(f"duplicate request id {request_id!r}")
-        stream = _Stream(list(prompt_token_ids), [
-            CompletionOutput(i, "", [], [] if params.logprobs is not None else None)
-            for i in range(params.n)])
+        stream = _Stream(request_id, list(prompt_token_ids), params.n)
+        acc = None
+        if output_kind is not RequestOutputKind.DELTA:
+            acc = OutputAccumulator(params.n, params.logprobs is not None)
         self._streams[request_id] = stream
         finished = False
         try:
             self._send(m.AddRequest(request_id, stream.prompt_token_ids,
                                     m.params_to_dict(params), time.monotonic(), cache_salt))
             while not finished:
-                self._apply(stream, await stream.queue.get())
+                items = [await stream.queue.get()]
                 while not stream.queue.empty():  # coalesce what a slow consumer missed
-                    self._apply(stream, stream.queue.get_nowait())
-                if stream.error is not None:
+                    items.append(stream.queue.get_nowait())
+                for item in items:
+                    if isinstance(item, BaseException):
+                        raise item
+                out = merge_deltas(items)
+                if out.error is not None:
                     finished = True  # the engine freed it already
-                    raise RequestFailedError(stream.error)
-                out = stream.snapshot(request_id)
+                    raise RequestFailedError(out.error)
                 finished = out.finished
-                yield out
+                if acc is None:
+                    yield out
+                    continue
+                acc.add(out)
+                if output_kind is RequestOutputKind.CUMULATIVE:
+                    yield acc.output(copy=True)
+                elif finished:
+                    yield acc.output(copy=False)
         except ValueError:
             finished = True  # rejected: the engine holds nothing for it
             raise
@@ -225,12 +250,6 @@ class AsyncEngineClient:
             self._streams.pop(request_id, None)
             if not finished and self._dead is None:
                 self._abort_nowait([request_id])
-
-    def _apply(self, stream: _Stream, item) -> None:
-        if isinstance(item, BaseException):
-            raise item
-        for delta in item:
-            stream.apply(delta)
 
     def reset_prefix_cache(self) -> None:
         """Free the cached KV blocks no request uses; takes effect before any later request."""
@@ -287,7 +306,7 @@ class AsyncEngineClient:
             for request_id, deltas in by_request.items():
                 stream = self._streams.get(request_id)
                 if stream is not None:
-                    stream.queue.put_nowait(deltas)
+                    stream.queue.put_nowait(stream.to_output(deltas))
         elif isinstance(msg, m.ErrorMsg):
             if msg.request_id is None:
                 self._mark_dead(f"the engine core failed: {msg.message}")

@@ -1,0 +1,218 @@
+"""The served path costs O(1) per token: a 4,000-token stream costs no more per token than a
+40-token one. Counted, not timed: ``tracemalloc`` sums, step by step, the peak of the bytes
+each step allocates above what was live before it (copies, joined text, built chunks and
+JSON), over every step of a stream, divided by its tokens. Copying the output so far on each
+step (what the cumulative kind does, shown as the contrast) grows this ~L-fold.
+
+The engine core is replaced by the wire messages it would send (one token per step), routed
+into a real ``AsyncEngineClient`` whose process and sockets are stand-ins; the server side
+is the real streaming (SSE chunks with logprobs) and non-streaming (folding) code.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import tracemalloc
+from types import SimpleNamespace
+
+import pytest
+
+from heron import SamplingParams
+from heron.engine.core_outputs import RequestOutputKind
+from heron.server import serving_completions
+from heron.server.admission import AdmissionController
+from heron.server.metrics import ServerMetrics
+from heron.server.protocol import CompletionRequest
+from heron.server.request_runner import run_all_to_completion, stream_outputs
+from heron.transport import messages as m
+from heron.transport.async_client import AsyncEngineClient
+
+SHORT, LONG = 40, 4000
+PROMPT = [5, 6, 7]
+
+
+class _Tokenizer:
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(97 + i % 26) for i in ids)
+
+
+class _Proc:
+    pid, exitcode = 0, None
+
+    def is_alive(self):
+        return True
+
+
+class _InSock:
+    def send(self, data, flags=0):
+        pass
+
+
+def _client() -> AsyncEngineClient:
+    """A client on no process: its reader never runs; the test routes messages itself."""
+    ready = m.ReadyMsg("m", "llama", 1 << 20, 1000, 64, 16, [2], None)
+    client = AsyncEngineClient(_Proc(), None, _InSock(), None, ready, "", _Tokenizer())
+    client._reader.cancel()
+    return client
+
+
+def _messages(request_id: str, length: int, logprobs: bool) -> list[m.OutputsMsg]:
+    """What the core sends for one request: one new token (and its text) per step."""
+    stats, msgs = m.StatsMsg(), []
+    for i in range(length):
+        token = 10 + i % 200
+        delta = m.OutputDelta(request_id, 0, [token], _Tokenizer().decode([token]))
+        if logprobs:
+            delta.new_logprobs = [[(token, -0.5, 1), (token + 1, -1.5, 2)]]
+        if i == 0:
+            delta.num_prompt_tokens, delta.arrival_time, delta.first_token_time = 3, 1.0, 1.5
+        if i == length - 1:
+            delta.finish_reason, delta.finish_time = "length", 2.0
+        msgs.append(m.OutputsMsg([delta], stats))
+    return msgs
+
+
+async def _settle(n: int = 8) -> None:
+    for _ in range(n):
+        await asyncio.sleep(0)
+
+
+async def _measure(client, msgs, step) -> float:
+    """Route each message, run ``step`` (what consumes it); bytes per token, summed over
+    steps of each step's allocation peak above the memory live before it."""
+    total = 0
+    tracemalloc.start()
+    try:
+        for msg in msgs:
+            tracemalloc.reset_peak()
+            base = tracemalloc.get_traced_memory()[0]
+            client._route(msg)
+            await step()
+            total += tracemalloc.get_traced_memory()[1] - base
+    finally:
+        tracemalloc.stop()
+    return total / len(msgs)
+
+
+async def _client_cost(length: int, kind: RequestOutputKind) -> float:
+    client = _client()
+    params = SamplingParams(max_tokens=length, logprobs=1, ignore_eos=True)
+    gen = client.generate("r", PROMPT, params, output_kind=kind)
+    msgs = _messages("r", length, logprobs=True)
+    first = asyncio.ensure_future(anext(gen))
+    await _settle()
+    client._route(msgs[0])
+    await first
+    delivered = [0]
+
+    async def step():
+        out = await anext(gen)
+        delivered[0] += len(out.outputs[0].token_ids)
+
+    cost = await _measure(client, msgs[1:], step)
+    if kind is RequestOutputKind.DELTA:
+        assert delivered[0] == length - 1  # each token delivered exactly once
+    await gen.aclose()
+    return cost
+
+
+async def _served_stream_cost(length: int) -> tuple[float, list[str]]:
+    """/v1/completions streaming with logprobs: client -> stream_outputs -> SSE events."""
+    client = _client()
+    state = SimpleNamespace(client=client, metrics=ServerMetrics(), model_name="m")
+    req = CompletionRequest(model="m", prompt=PROMPT, max_tokens=length, logprobs=1,
+                            stream=True, stream_options={"include_usage": True})
+    params = req.to_sampling_params(default_max_tokens=None)
+    streams = [stream_outputs(state, "r", PROMPT, params)]
+    admission = AdmissionController().admit(len(PROMPT))
+    events = serving_completions._stream(req, state, "cmpl-x", [PROMPT], 1, streams, admission)
+    msgs = _messages("r", length, logprobs=True)
+    first = asyncio.ensure_future(anext(events))
+    await _settle()
+    client._route(msgs[0])
+    sent = [await first]
+
+    async def step():
+        sent.append(await anext(events))
+
+    cost = await _measure(client, msgs[1:], step)
+    sent += [e async for e in events]  # usage, [DONE]
+    return cost, sent
+
+
+async def _served_fold_cost(length: int):
+    """A non-streaming request: the deltas folded into the final output."""
+    client = _client()
+    state = SimpleNamespace(client=client, metrics=ServerMetrics(), model_name="m")
+    params = SamplingParams(max_tokens=length, logprobs=1, ignore_eos=True)
+    http = SimpleNamespace(is_disconnected=lambda: asyncio.sleep(0, False))
+    runner = asyncio.ensure_future(
+        run_all_to_completion(http, [stream_outputs(state, "r", PROMPT, params)]))
+    await _settle()
+    cost = await _measure(client, _messages("r", length, logprobs=True), _settle)
+    (final,) = await runner
+    return cost, final
+
+
+def _run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 120))
+
+
+def _per_token(cost_fn, *args) -> tuple[float, float]:
+    return _run(cost_fn(SHORT, *args)), _run(cost_fn(LONG, *args))
+
+
+def _assert_flat(short: float, long: float, what: str) -> None:
+    print(f"\n{what}: {short:.0f} B/token at {SHORT} tokens, {long:.0f} B/token at {LONG}")
+    assert long <= 1.25 * short + 64, (what, short, long)
+
+
+def test_client_delta_stream_costs_o1_per_token():
+    short, long = _per_token(_client_cost, RequestOutputKind.DELTA)
+    _assert_flat(short, long, "client, delta outputs")
+
+
+def test_cumulative_outputs_cost_o_length_per_token():
+    """The contrast: the measure sees a copy of the output so far on every step."""
+    short, long = _per_token(_client_cost, RequestOutputKind.CUMULATIVE)
+    print(f"\nclient, cumulative outputs: {short:.0f} B/token at {SHORT} tokens, "
+          f"{long:.0f} B/token at {LONG}")
+    assert long > 10 * short
+
+
+def test_served_stream_costs_o1_per_token():
+    (short, _), (long, events) = _per_token(lambda n: _served_stream_cost(n))
+    _assert_flat(short, long, "served stream (SSE with logprobs)")
+    assert len(events) == LONG + 2 and events[-1] == "data: [DONE]\n\n"
+    assert f'"completion_tokens":{LONG}' in events[-2]
+
+
+def test_served_fold_costs_o1_per_token():
+    (short, _), (long, final) = _per_token(lambda n: _served_fold_cost(n))
+    _assert_flat(short, long, "non-streaming fold")
+    comp = final.outputs[0]
+    assert len(comp.token_ids) == len(comp.logprobs) == len(comp.text) == LONG
+    assert comp.finish_reason == "length" and final.finished
+
+
+@pytest.mark.parametrize("backlog", [SHORT, LONG])
+def test_a_slow_consumer_gets_one_merged_delta(backlog):
+    """Everything that queued while the consumer was busy comes as one output, each token
+    copied once (the merge is O(backlog))."""
+
+    async def body():
+        client = _client()
+        params = SamplingParams(max_tokens=backlog, logprobs=1, ignore_eos=True)
+        gen = client.generate("r", PROMPT, params)
+        first = asyncio.ensure_future(anext(gen))
+        await _settle()
+        for msg in _messages("r", backlog, logprobs=True):
+            client._route(msg)
+        out = await first
+        assert out.finished and len(out.outputs) == 1
+        comp = out.outputs[0]
+        assert len(comp.token_ids) == len(comp.logprobs) == len(comp.text) == backlog
+        assert comp.finish_reason == "length"
+        assert out.metrics["first_token_time"] == 1.5 and out.metrics["finish_time"] == 2.0
+
+    _run(body())
