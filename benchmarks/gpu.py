@@ -84,19 +84,21 @@ def _engine(config: dict, args, max_num_seqs: int, max_model_len: int, batched_t
 def _run(engine, prompts: list[list[int]], max_tokens: int) -> tuple[list[float], list[int]]:
     """Greedy, EOS ignored. Returns (time of each step that produced tokens, tokens per
     request); checks every request produced exactly max_tokens tokens."""
+    from heron.engine.core_outputs import RequestOutputKind
     from heron.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     ids = [engine.new_request_id() for _ in prompts]
     for request_id, prompt in zip(ids, prompts):
-        engine.add_request(request_id, prompt, params)
+        engine.add_request(request_id, prompt, params, output_kind=RequestOutputKind.DELTA)
     times, counts = [], {}
     while engine.has_unfinished_requests():
         outputs = engine.step()
         if outputs:
             times.append(time.perf_counter())
-        for out in outputs:
-            counts[out.request_id] = len(out.outputs[0].token_ids)
+        for out in outputs:  # DELTA: only the new tokens, no per-step copy of the history
+            counts[out.request_id] = counts.get(out.request_id, 0) + sum(
+                len(c.token_ids) for c in out.outputs)
     got = [counts.get(i, 0) for i in ids]
     if set(got) != {max_tokens}:
         raise RuntimeError(f"expected {max_tokens} tokens per request, got {sorted(set(got))}")

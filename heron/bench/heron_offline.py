@@ -109,13 +109,14 @@ class HeronOffline:
         """Run one batch step by step; (seconds until every request has its first token,
         seconds from then until all finished)."""
         from heron import SamplingParams
+        from heron.engine.core_outputs import RequestOutputKind
 
         engine, params = self.engine, SamplingParams(temperature=0.0, max_tokens=output_len,
                                                      ignore_eos=True)
         pending = set()
         for prompt in prompts:
             request_id = engine.new_request_id()
-            engine.add_request(request_id, prompt, params)
+            engine.add_request(request_id, prompt, params, output_kind=RequestOutputKind.DELTA)
             pending.add(request_id)
         start, first = time.perf_counter(), None
         while engine.has_unfinished_requests():

@@ -178,6 +178,8 @@ class OutputProcessor:
         if state.kind is RequestOutputKind.DELTA:
             completions = [c for i, seq in enumerate(state.sequences)
                            if (c := _delta_completion(i, seq, state.max_stop_len)) is not None]
+            if not completions:
+                return None  # nothing new (say, tokens after a stop string)
         else:
             completions = [_cumulative_completion(i, seq)
                            for i, seq in enumerate(state.sequences)]
