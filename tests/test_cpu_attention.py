@@ -1,6 +1,7 @@
-"""heron's C++ paged decode attention (the ``cpu`` backend) against the float64 reference and
-the torch backend: ragged batches, GQA, sliding windows, shuffled block tables, bf16; and
-HF-exact greedy generation through it."""
+"""heron's C++ paged attention kernels (the ``cpu`` backend) against the float64 reference and
+the torch backend: the decode op, and the varlen op on ragged prefill chunks (prefix hits,
+chunks crossing pages, mixed with decodes), GQA, sliding windows, shuffled block tables, bf16;
+and HF-exact greedy generation through it."""
 
 from __future__ import annotations
 
@@ -38,9 +39,70 @@ def test_decode_matches_the_float64_reference(seq_lens, kv_heads, group, head_di
     assert reference.max_rel_error(got, case.reference()) <= tolerance
 
 
+# (q_lens, seq_lens, kv_heads, group, head_dim, block_size, window); a request's queries are
+# the last q_len of its seq_len positions, so seq_len > q_len is a chunk after a cached prefix
+_PREFILL = [
+    ([1], [1], 1, 1, 16, 4, None),
+    ([2], [2], 1, 1, 16, 4, None),  # the smallest prefill chunk
+    ([37, 5, 64, 1, 130], [37, 40, 64, 90, 300], 3, 3, 64, 16, None),  # SmolLM2's heads, mixed
+    ([29, 8, 17], [29, 50, 17], 2, 4, 32, 4, 6),  # window shorter than a block run
+    ([100, 3, 16, 48], [100, 60, 16, 200], 1, 8, 64, 16, 40),  # multi-query, window over pages
+    ([15, 16, 17, 33, 17], [15, 32, 17, 49, 40], 4, 1, 128, 16, None),  # page boundaries
+    ([200, 1, 70], [456, 300, 70], 3, 3, 64, 16, 100),  # many query tiles, window across them
+    ([9, 1, 23], [30, 12, 23], 2, 2, 20, 4, None),  # head_dim not a multiple of 8
+    ([250], [250], 2, 1, 64, 16, None),  # group 1: tiles of 96 queries, a ragged last one
+    ([250, 1], [300, 7], 2, 1, 32, 16, 5),  # rows whose first key step is all outside the window
+]
+
+
+@pytest.mark.parametrize("q_lens,seq_lens,kv_heads,group,head_dim,block_size,window", _PREFILL)
+@pytest.mark.parametrize("dtype,tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+def test_varlen_kernel_matches_the_float64_reference(q_lens, seq_lens, kv_heads, group,
+                                                     head_dim, block_size, window, dtype,
+                                                     tolerance):
+    assert cpu.load()
+    case = cases.attention_case(q_lens, seq_lens, kv_heads, group, head_dim, block_size, dtype,
+                                seed=len(q_lens) + head_dim, sliding_window=window)
+    got = cases.run_cpu_attention(case)
+    assert got.dtype == dtype and got.shape == case.q.shape
+    assert reference.max_rel_error(got, case.reference()) <= tolerance
+
+
+def test_varlen_kernel_reads_q_as_a_view_of_fused_qkv():
+    """The model passes q as a slice of (T, H + 2 * KVH, D): a token stride that is not H * D."""
+    assert cpu.load()
+    case = cases.attention_case([20, 1, 7], [20, 9, 30], 2, 3, 64, 4, torch.float32, seed=5)
+    starts, seq_lens, tables = case.device_tensors()
+    qkv = torch.cat([case.q, cases.randn(case.q.shape[0], 4, 64, dtype=torch.float32, seed=6)], 1)
+    q = qkv[:, :6]
+    assert not q.is_contiguous()
+    got = torch.ops.heron_cpu.paged_attention(q, case.key_cache, case.value_cache, tables,
+                                              seq_lens, starts, case.scale, 0)
+    assert reference.max_rel_error(got, case.reference()) <= 1e-5
+
+
+def test_varlen_kernel_rejects_a_chunk_longer_than_its_sequence():
+    assert cpu.load()
+    case = cases.attention_case([4], [4], 1, 1, 16, 4, torch.float32)
+    starts, _, tables = case.device_tensors()
+    with pytest.raises(RuntimeError, match="exceeds its sequence length"):
+        torch.ops.heron_cpu.paged_attention(case.q, case.key_cache, case.value_cache, tables,
+                                            torch.tensor([3]), starts, case.scale, 0)
+
+
+def test_varlen_kernel_rejects_a_block_outside_the_pool():
+    assert cpu.load()
+    case = cases.attention_case([3, 4], [5, 4], 1, 1, 16, 4, torch.float32)
+    starts, seq_lens, tables = case.device_tensors()
+    tables[0, 1] = case.key_cache.shape[0]
+    with pytest.raises(RuntimeError, match="is not in the pool"):
+        torch.ops.heron_cpu.paged_attention(case.q, case.key_cache, case.value_cache, tables,
+                                            seq_lens, starts, case.scale, 0)
+
+
 @pytest.mark.parametrize("window", [None, 6])
 def test_cpu_backend_equals_torch_backend_on_a_mixed_step(window):
-    """Decodes take the kernel, prefill chunks (one after a cached prefix) the torch path."""
+    """Decodes and prefill chunks (one after a cached prefix) all go through the kernel."""
     q, k, v, kv_cache, md = mixed_step(window)
     outs, caches = [], []
     for name in ("torch", "cpu"):

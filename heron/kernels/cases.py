@@ -96,6 +96,15 @@ def run_decode(case: AttentionCase, num_splits: int) -> torch.Tensor:
     return out
 
 
+def run_cpu_attention(case: AttentionCase) -> torch.Tensor:
+    """heron's C++ paged attention (any mix of query lengths) over the case -> (T, H, D).
+    Needs ``heron.kernels.cpu.load()`` first; the case lives on the CPU."""
+    starts, seq_lens, tables = case.device_tensors()
+    return torch.ops.heron_cpu.paged_attention(case.q, case.key_cache, case.value_cache, tables,
+                                               seq_lens, starts, case.scale,
+                                               case.sliding_window or 0)
+
+
 def randn(*shape: int, dtype: torch.dtype, device="cpu", seed: int = 0) -> torch.Tensor:
     """N(0, 1) drawn on ``device`` (large real-shape caches never touch the host)."""
     gen = torch.Generator(device=torch.device(device)).manual_seed(seed)

@@ -1,4 +1,4 @@
-"""``heron check-kernels``: every Triton kernel (and heron's C++ CPU decode kernel) against its
+"""``heron check-kernels``: every Triton kernel (and heron's C++ CPU attention kernels) against its
 float64 torch reference on random inputs, across shapes and dtypes; prints the max relative
 error per kernel and dtype.
 
@@ -107,6 +107,23 @@ def _cpu_decode_cases(dtype, device, real: bool) -> Iterator[Case]:
             yield run
 
 
+def _cpu_attention_cases(dtype, device, real: bool) -> Iterator[Case]:
+    """heron's C++ paged attention on the prefill shapes (ragged chunks, prefix hits, a
+    decode, windows), always on the CPU (none without a compiler)."""
+    from heron.kernels import cpu
+
+    if not cpu.load():
+        return
+    for i, (kvh, group, dim, q_lens, seq_lens, bs, window) in enumerate(
+            _REAL_ATTENTION if real else _SMALL_ATTENTION):
+        def run(kvh=kvh, group=group, dim=dim, q_lens=q_lens, seq_lens=seq_lens, bs=bs,
+                window=window, seed=i):
+            case = cases.attention_case(q_lens, seq_lens, kvh, group, dim, bs, dtype, "cpu",
+                                        seed, window)
+            return cases.run_cpu_attention(case), case.reference()
+        yield run
+
+
 def _splits(batch: int, num_kv_heads: int, device) -> int:
     from heron.kernels.attention_decode import choose_num_splits
 
@@ -178,6 +195,7 @@ SUITE = {
     "prefill_attention": _prefill_cases,
     "decode_attention": _decode_cases,
     "paged_decode_cpu": _cpu_decode_cases,
+    "paged_attention_cpu": _cpu_attention_cases,
     "store_kv": _store_cases,
     "rms_norm": lambda *a: _norm_cases(*a, residual=False),
     "rms_norm+residual": lambda *a: _norm_cases(*a, residual=True),

@@ -1,30 +1,45 @@
-"""heron's C++ CPU kernels (paged decode attention), compiled once per machine.
+"""heron's C++ CPU kernels (paged attention: decode, and any mix of ragged query chunks),
+compiled once per machine.
 
-``load()`` builds ``paged_attention.cpp`` with torch's extension builder (ninja + the system
-C++ compiler, cached under ``TORCH_EXTENSIONS_DIR`` or ``~/.cache/torch_extensions``) and
-registers ``torch.ops.heron_cpu.*``. Without a compiler it returns False once, with a warning,
-and callers keep the reference torch path. ``python -m heron.kernels.cpu`` builds ahead of time.
+``load()`` builds ``paged_attention.cpp`` (and the headers next to it) with torch's extension
+builder (ninja + the system C++ compiler, cached under ``TORCH_EXTENSIONS_DIR`` or
+``~/.cache/torch_extensions``) and registers ``torch.ops.heron_cpu.*``. Without a compiler it
+returns False once, with a warning, and callers keep the reference torch path.
+``python -m heron.kernels.cpu`` builds ahead of time.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("paged_attention.cpp")
+_DIR = Path(__file__).parent
+_SOURCE = _DIR / "paged_attention.cpp"
+
+
+def _headers_digest() -> str:
+    """A digest of the headers: torch's builder rebuilds when the sources or the flags change,
+    and the headers reach it only through this flag."""
+    digest = hashlib.sha256()
+    for header in sorted(_DIR.glob("*.h")):
+        digest.update(header.name.encode() + b"\0" + header.read_bytes())
+    return digest.hexdigest()[:16]
 
 
 @functools.cache
 def load() -> bool:
-    """True when ``torch.ops.heron_cpu.paged_decode_attention`` is available."""
+    """True when ``torch.ops.heron_cpu.paged_attention`` and ``paged_decode_attention`` are
+    available."""
     try:
         from torch.utils import cpp_extension
 
         cpp_extension.load(name="heron_cpu", sources=[str(_SOURCE)], is_python_module=False,
-                           extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                           extra_cflags=["-O3", "-march=native", "-fopenmp",
+                                         f"-DHERON_CPU_HEADERS={_headers_digest()}"],
                            extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as exc:  # noqa: BLE001 - no compiler, no ninja: fall back, say why once
         logger.warning("heron's CPU attention kernel is unavailable (%s); using the reference "
