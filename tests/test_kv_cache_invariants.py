@@ -1,9 +1,10 @@
 """Invariants of the paged KV cache and the scheduler, driven without a model.
 
-The engine loop is simulated exactly as ``LLMEngine.step`` drives it: ``schedule()``, (the
-model would run here), ``update_after_step()``, then every scheduled request whose step
-``samples`` (decided before the update) gets one fake token and is finished once it reaches
-``max_tokens``. Aborts and stops call ``Scheduler.finish`` between steps.
+The engine loop is simulated as ``EngineCore.step`` drives it (``tests/scheduler_steps.py``):
+``schedule()`` returns the plain-data step, a fake worker (the model would run here) returns
+one fake token for every scheduled sequence whose step ``samples`` (decided before the
+update), and ``update_from_output()`` applies it: progress, the appended token and the length
+stop at ``max_tokens``. Aborts and stops call ``Scheduler.finish`` between steps.
 """
 
 from __future__ import annotations
@@ -24,8 +25,9 @@ from hypothesis.stateful import (
 from heron.config import SchedulerConfig
 from heron.engine.kv_cache import BlockPool, KVCacheManager, cdiv
 from heron.engine.request import Request, RequestStatus
-from heron.engine.scheduler import Scheduler, SchedulerOutput
+from heron.engine.scheduler import Scheduler
 from heron.sampling_params import SamplingParams
+from scheduler_steps import StepView, complete, schedule
 
 FAKE_TOKEN = 7
 
@@ -34,8 +36,11 @@ FAKE_TOKEN = 7
 def make_scheduler(num_blocks: int, block_size: int, max_num_batched_tokens: int,
                    max_num_seqs: int) -> Scheduler:
     kv = KVCacheManager(num_blocks, block_size)
+    # the engine's max_model_len never exceeds the pool (requests keep prompt + max_tokens
+    # within it, so their length stop is max_tokens)
     return Scheduler(SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens,
-                                     max_num_seqs=max_num_seqs), kv)
+                                     max_num_seqs=max_num_seqs), kv,
+                     max_model_len=num_blocks * block_size)
 
 
 def make_request(rid: str, prompt_len: int, max_tokens: int) -> Request:
@@ -43,16 +48,15 @@ def make_request(rid: str, prompt_len: int, max_tokens: int) -> Request:
                    max_tokens=max_tokens)
 
 
-def engine_step(sched: Scheduler) -> SchedulerOutput:
-    """One simulated engine iteration (schedule, update, append tokens, finish on length)."""
-    out = sched.schedule()
-    sampling = [s for s in out.scheduled if s.samples]  # decided before the update
-    sched.update_after_step(out)
-    for s in sampling:
-        req = s.request
-        req.output_token_ids.append(FAKE_TOKEN)
-        if req.num_output_tokens >= req.max_tokens:
-            sched.finish(req, RequestStatus.FINISHED_LENGTH)
+def fake_token(request: Request) -> int:
+    return FAKE_TOKEN
+
+
+def engine_step(sched: Scheduler) -> StepView:
+    """One simulated engine iteration (schedule, fake worker, update_from_output: progress,
+    the appended token, the length stop)."""
+    out = schedule(sched)
+    complete(sched, out, fake_token)
     return out
 
 
@@ -131,14 +135,14 @@ class SchedulerMachine(RuleBasedStateMachine):
             (self.finished if req.is_finished else still).append(req)
         self.live = still
 
-    def _step(self) -> SchedulerOutput:
+    def _step(self) -> StepView:
         sched = self.sched
         kv = sched.kv_cache
         before_running = list(sched.running)
         before_waiting = list(sched.waiting)
         remaining = {id(r): r.num_tokens - r.num_computed_tokens for r in self.live}
 
-        out = sched.schedule()
+        out = schedule(sched)
 
         # per-step limits
         scheduled = [s.request for s in out.scheduled]
@@ -185,16 +189,30 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert out.is_empty
         check_pool(sched, self.live, self.finished)
 
-        sampling = [s for s in out.scheduled if s.samples]
-        sched.update_after_step(out)
+        sampling = {id(s.request) for s in out.scheduled if s.samples}  # before the update
+        before = {id(s.request): (s.request.num_computed_tokens, s.request.num_output_tokens)
+                  for s in out.scheduled}
+        deltas = complete(sched, out, fake_token)
+        assert len(deltas) == len(sampling), "one delta per sequence that sampled"
         for s in out.scheduled:
-            assert s.request.num_computed_tokens <= s.request.num_tokens
-        for s in sampling:
             req = s.request
-            assert req.num_computed_tokens == req.num_tokens
-            req.output_token_ids.append(FAKE_TOKEN)
-            if req.num_output_tokens >= req.max_tokens:
-                sched.finish(req, RequestStatus.FINISHED_LENGTH)
+            computed, outputs = before[id(req)]
+            assert req.num_computed_tokens == computed + s.num_tokens
+            assert req.num_computed_tokens <= req.num_tokens
+            if id(req) in sampling:
+                # it computed all its tokens, then gained exactly the fake one
+                assert req.num_computed_tokens == req.num_tokens - 1
+                assert req.num_output_tokens == outputs + 1
+                assert req.output_token_ids[-1] == FAKE_TOKEN
+                # finished exactly when it reached max_tokens
+                if req.num_output_tokens >= req.max_tokens:
+                    assert req.status == RequestStatus.FINISHED_LENGTH
+                    assert req.block_ids == [] and req not in sched.running
+                else:
+                    assert req.status == RequestStatus.RUNNING
+            else:
+                assert req.num_output_tokens == outputs  # mid-prefill: no token
+                assert req.status == RequestStatus.RUNNING
         self._sync()
         return out
 
@@ -303,13 +321,13 @@ def test_running_decodes_come_before_waiting_prefills():
     assert a.num_output_tokens == 1
     b = make_request("b", 40, 10)
     sched.add(b)
-    out = sched.schedule()
+    out = schedule(sched)
     assert [(s.request, s.num_tokens) for s in out.scheduled] == [(a, 1), (b, 15)]
     assert out.scheduled[0].samples and not out.scheduled[1].samples
-    sched.update_after_step(out)
+    complete(sched, out, fake_token)
+    assert a.num_output_tokens == 2 and b.num_output_tokens == 0
     # b's prefill is still a running request now; a's decode is still served first
-    a.output_token_ids.append(FAKE_TOKEN)
-    out = sched.schedule()
+    out = schedule(sched)
     assert [(s.request, s.num_tokens) for s in out.scheduled] == [(a, 1), (b, 15)]
 
 
@@ -319,7 +337,7 @@ def test_budget_limits_waiting_admission_and_max_num_seqs():
     reqs = [make_request(f"r{i}", 4, 3) for i in range(3)]
     for r in reqs:
         sched.add(r)
-    out = sched.schedule()
+    out = schedule(sched)
     assert [s.request for s in out.scheduled] == reqs[:2]
     assert list(sched.waiting) == [reqs[2]]
 
@@ -334,7 +352,7 @@ def test_waiting_head_short_of_blocks_is_not_overtaken():
     c = make_request("c", 2, 1)  # would fit, but must not overtake b
     sched.add(b)
     sched.add(c)
-    out = sched.schedule()
+    out = schedule(sched)
     assert [s.request for s in out.scheduled] == [a]
     assert list(sched.waiting) == [b, c]
     assert b.block_ids == [] and c.block_ids == []
@@ -344,7 +362,7 @@ def test_preemption_picks_youngest_and_requeues_it_first():
     # 4 blocks of 2 tokens; a and b each take 2 blocks for their 4-token prompts
     sched = make_scheduler(num_blocks=4, block_size=2, max_num_batched_tokens=64,
                            max_num_seqs=4)
-    a = make_request("a", 4, 3)
+    a = make_request("a", 4, 2)
     b = make_request("b", 4, 3)
     c = make_request("c", 2, 1)
     sched.add(a)
@@ -357,7 +375,7 @@ def test_preemption_picks_youngest_and_requeues_it_first():
     b_blocks = list(b.block_ids)
 
     # a's decode needs a 3rd block: the pool is empty, so the youngest (b) is preempted
-    out = sched.schedule()
+    out = schedule(sched)
     assert out.preempted == [b]
     assert [(s.request, s.num_tokens) for s in out.scheduled] == [(a, 1)]
     assert sched.running == [a]
@@ -369,11 +387,11 @@ def test_preemption_picks_youngest_and_requeues_it_first():
     assert set(a.block_ids) & set(b_blocks)  # a reused one of b's blocks
     assert len(a.block_ids) == 3
 
-    # finish a; b recomputes prompt + its output token, then c follows
-    sched.update_after_step(out)
-    a.output_token_ids.append(FAKE_TOKEN)
-    sched.finish(a, RequestStatus.FINISHED_LENGTH)
-    out = sched.schedule()
+    # a's 2nd token finishes it (max_tokens); b recomputes prompt + its output token, then c
+    complete(sched, out, fake_token)
+    assert a.output_token_ids == [FAKE_TOKEN] * 2
+    assert a.status == RequestStatus.FINISHED_LENGTH and a.block_ids == []
+    out = schedule(sched)
     assert [(s.request, s.num_tokens) for s in out.scheduled] == [(b, 5), (c, 2)]
     assert out.scheduled[0].samples
 
@@ -389,7 +407,7 @@ def test_preemption_frees_room_for_the_oldest():
     sched.add(b)
     engine_step(sched)
     assert sched.kv_cache.pool.num_free_blocks == 0
-    out = sched.schedule()
+    out = schedule(sched)
     assert out.preempted == [b]
     assert [s.request for s in out.scheduled] == [a]
 

@@ -6,6 +6,9 @@ The model is simulated by a fake KV store: computing position ``p`` of a request
 tuple of its tokens ``[0, p]`` into that slot (the KV of a token depends on everything before
 it). A request may then only ever read slots holding exactly its own prefixes, which checks
 that every cache hit hands out the right KV, and writes may only land in private blocks.
+Steps run as ``EngineCore.step`` drives them (``tests/scheduler_steps.py``): ``schedule()``,
+the fake computation of every scheduled chunk, then ``update_from_output()`` with one fake
+token for each sequence whose step samples (it appends the token and applies the length stop).
 """
 
 from __future__ import annotations
@@ -22,9 +25,15 @@ from heron.engine.prefix_cache import CacheNode
 from heron.engine.request import Request, RequestStatus
 from heron.engine.scheduler import Scheduler
 from heron.sampling_params import SamplingParams
+from scheduler_steps import complete, schedule
 
 FAKE_TOKEN = 1
 PREFIXES = ([5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16], [5, 6, 7, 8, 2, 2, 3], [9] * 10)
+
+
+def _fake_token(request: Request) -> int:
+    """Outputs vary a little, so outputs that fill blocks make distinct cache entries."""
+    return FAKE_TOKEN + request.num_output_tokens % 3
 
 
 class PrefixCacheMachine(RuleBasedStateMachine):
@@ -35,7 +44,8 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=True)
         self.sched = Scheduler(SchedulerConfig(max_num_batched_tokens=budget,
                                                max_num_seqs=max_num_seqs, policy=policy,
-                                               max_overtakes=3), kv)
+                                               max_overtakes=3), kv,
+                               max_model_len=num_blocks * block_size)
         self.kv, self.bs = kv, block_size
         self.capacity = num_blocks * block_size
         self.slots: dict[tuple[int, int], tuple[int, ...]] = {}  # (block, offset) -> prefix
@@ -45,15 +55,10 @@ class PrefixCacheMachine(RuleBasedStateMachine):
 
     # ---- the simulated engine --------------------------------------------------------------
     def _step(self) -> None:
-        out = self.sched.schedule()
+        out = schedule(self.sched)
         for s in out.scheduled:
             self._compute(s.request, s.num_tokens)
-        sampling = [s.request for s in out.scheduled if s.samples]
-        self.sched.update_after_step(out)
-        for req in sampling:
-            req.output_token_ids.append(FAKE_TOKEN + req.num_output_tokens % 3)
-            if req.num_output_tokens >= req.max_tokens:
-                self.sched.finish(req, RequestStatus.FINISHED_LENGTH)
+        complete(self.sched, out, _fake_token)
         self._sync()
 
     def _compute(self, req: Request, n: int) -> None:
@@ -186,7 +191,7 @@ TestPrefixCacheInvariants = PrefixCacheMachine.TestCase
 def _scheduler(num_blocks=16, block_size=4, budget=64, max_num_seqs=8, **config):
     kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=True)
     return Scheduler(SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
-                                     **config), kv)
+                                     **config), kv, max_model_len=num_blocks * block_size)
 
 
 def _request(rid: str, prompt: list[int], max_tokens: int = 1) -> Request:
@@ -201,13 +206,7 @@ def _run(sched: Scheduler, *requests: Request) -> None:
     for _ in range(200):
         if not sched.has_unfinished():
             return
-        out = sched.schedule()
-        sampling = [s.request for s in out.scheduled if s.samples]
-        sched.update_after_step(out)
-        for r in sampling:
-            r.output_token_ids.append(FAKE_TOKEN)
-            if r.num_output_tokens >= r.max_tokens:
-                sched.finish(r, RequestStatus.FINISHED_LENGTH)
+        complete(sched, schedule(sched), lambda request: FAKE_TOKEN)
     raise AssertionError("did not finish")
 
 
@@ -234,8 +233,9 @@ def test_identical_prompts_arriving_together_compute_the_prefix_once():
     a, b = _request("a", prompt), _request("b", prompt)
     sched.add(a)
     sched.add(b)
-    out = sched.schedule()
+    out = schedule(sched)
     assert [s.request for s in out.scheduled] == [a]  # b waits for a's blocks
+    complete(sched, out, lambda request: FAKE_TOKEN)
     _run(sched)
     assert b.num_cached_tokens == 20 and a.num_cached_tokens == 0
     assert sched.stats.num_prefill_tokens == 21 + 1
@@ -253,14 +253,13 @@ def test_longest_prefix_first_with_a_fairness_cap():
     for _ in range(100):
         if not sched.has_unfinished():
             break
-        out = sched.schedule()
+        out = schedule(sched)
         order += [s.request.request_id for s in out.scheduled
                   if s.request.num_output_tokens == 0 and s.samples]
         sampling = [s.request for s in out.scheduled if s.samples]
-        sched.update_after_step(out)
-        for r in sampling:
-            r.output_token_ids.append(FAKE_TOKEN)
-            sched.finish(r, RequestStatus.FINISHED_LENGTH)
+        complete(sched, out, lambda request: FAKE_TOKEN)
+        # max_tokens=1: the first token finishes each one
+        assert all(r.status == RequestStatus.FINISHED_LENGTH for r in sampling)
     # hits go first, but "cold" is overtaken at most max_overtakes times
     assert order == ["hot0", "hot1", "cold", "hot2", "hot3"]
     assert cold.num_overtakes == 2

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from heron import SamplingParams
-from heron.engine.request import Request
+from heron.worker.input_batch import SequenceState
 from heron.worker.sampler import Sampler, _apply_penalties
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
@@ -93,10 +93,10 @@ def test_logprobs_include_sampled_token_with_rank(smollm2, prompts):
 
 def test_penalties_follow_hf_and_openai_semantics():
     logits = torch.tensor([[2.0, -2.0, 1.0, 0.5]])
-    req = Request("r", [0], SamplingParams(repetition_penalty=2.0, presence_penalty=0.5,
-                                           frequency_penalty=0.25))
-    req.output_token_ids = [1, 1, 3]
-    _apply_penalties(logits, [req])
+    seq = SequenceState("r", 0, [0], SamplingParams(repetition_penalty=2.0, presence_penalty=0.5,
+                                                    frequency_penalty=0.25), ())
+    seq.output_token_ids = [1, 1, 3]
+    _apply_penalties(logits, [seq])
     # token 0: prompt only -> 2/2; token 1: seen twice -> -2*2 - 0.5 - 2*0.25; token 3: once
     assert logits.tolist() == [[1.0, -5.0, 1.0, 0.25 - 0.75]]
 
@@ -104,9 +104,11 @@ def test_penalties_follow_hf_and_openai_semantics():
 def test_sampler_respects_top_k_support():
     torch.manual_seed(0)
     logits = torch.randn(4, 50)
-    reqs = [Request(str(i), [0], SamplingParams(temperature=1.0, top_k=3, seed=i))
+    # seeded sequences, as the worker holds them: each with its own generator
+    seqs = [SequenceState(str(i), i, [0], SamplingParams(temperature=1.0, top_k=3, seed=i), (),
+                          generator=torch.Generator().manual_seed(i))
             for i in range(4)]
     top3 = logits.topk(3).indices
     for _ in range(20):
-        out = Sampler(0)(logits, reqs)
+        out = Sampler(0)(logits, seqs)
         assert all(t in top3[i].tolist() for i, t in enumerate(out.token_ids))
