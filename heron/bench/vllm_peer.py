@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import select
 import subprocess
 import sys
 from pathlib import Path
@@ -88,8 +89,9 @@ class VLLMPeer:
 
     def __init__(self, model_dir: Path, dtype: str, max_model_len: int, max_num_seqs: int,
                  max_num_batched_tokens: int, prefix_caching: bool = True,
-                 python: Path | None = None) -> None:
+                 python: Path | None = None, timeout: float | None = None) -> None:
         python = python or ensure_venv(default_venv())
+        self.timeout = timeout  # seconds to wait for each reply (start-up, each generate)
         self.path = f"vLLM {VLLM_VERSION} offline LLM.generate (CPU build, own venv)"
         read_fd, write_fd = os.pipe()
         args = [str(python), str(_WORKER), str(model_dir), dtype, str(max_model_len),
@@ -103,6 +105,10 @@ class VLLMPeer:
             raise RuntimeError("the vLLM worker did not start")
 
     def _reply(self) -> dict:
+        if self.timeout is not None and not select.select([self.replies], [], [],
+                                                          self.timeout)[0]:
+            self.proc.kill()
+            raise TimeoutError(f"the vLLM worker did not answer within {self.timeout:.0f} s")
         line = self.replies.readline()
         if not line:
             raise RuntimeError(f"the vLLM worker exited (status {self.proc.wait()})")
