@@ -1,5 +1,5 @@
 """Attention backends by name: ``torch`` (reference, any device), ``cpu`` (heron's C++ paged
-decode kernel, CPU), ``triton`` (CUDA; CPU only under the triton interpreter) and ``auto``
+attention kernel for decodes and prefill chunks, CPU), ``triton`` (CUDA; CPU only under the triton interpreter) and ``auto``
 (triton on CUDA when installed; on CPU the C++ kernel when it builds, else torch)."""
 
 from __future__ import annotations

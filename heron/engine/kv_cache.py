@@ -138,8 +138,8 @@ class KVCacheManager:
 
     def cache_full_blocks(self, request: Request) -> None:
         """Insert the request's newly computed full blocks into the tree. Where an identical
-        block is already cached (a sibling computed it in the same step), switch to it and
-        release the duplicate."""
+        block is already cached (a sibling computed it in the same step, or an earlier request
+        cached the block this one recomputed), switch to it and release the duplicate."""
         if self.prefix_cache is None:
             return
         full = request.num_computed_tokens // self.block_size
@@ -151,6 +151,8 @@ class KVCacheManager:
                 self.prefix_cache.acquire([node])
                 request.block_ids[i] = node.block_id
                 self._release(own)
+                # the worker's table holds the released block: resend it from here
+                request.num_blocks_sent = min(request.num_blocks_sent, i)
             parent = node
         if full > request.num_cached_blocks:
             request.num_cached_blocks, request.last_cached_node = full, parent

@@ -59,7 +59,9 @@ class Request:
     scheduled_time: float | None = None  # first time the scheduler gave it tokens
     first_token_time: float | None = None
     finish_time: float | None = None
-    # what the worker knows of it: described once, then sent only the blocks it lacks
+    # what the worker knows of it: described once, then sent only the blocks it lacks; its
+    # table holds block_ids[:num_blocks_sent] (0 after preemption; lowered when a computed
+    # block is swapped for its cached twin)
     worker_knows: bool = False
     num_blocks_sent: int = 0
     first_delta_sent: bool = False  # the first delta carries prompt info and metrics

@@ -155,11 +155,11 @@ class Scheduler:
             if not request.worker_knows:
                 out.new_requests.append(_new_request(request))
             else:
-                resumed = request.num_blocks_sent == 0  # preempted: a whole new table
+                kept = request.num_blocks_sent  # 0 when it resumes after preemption
                 cached.req_ids.append(request.request_id)
-                cached.new_block_ids.append(request.block_ids[request.num_blocks_sent:])
+                cached.num_kept_blocks.append(kept)
+                cached.new_block_ids.append(request.block_ids[kept:])
                 cached.num_computed_tokens.append(request.num_computed_tokens)
-                cached.resumed.append(resumed)
             request.worker_knows = True
             request.num_blocks_sent = len(request.block_ids)
         return out

@@ -3,8 +3,9 @@
 Each sequence owns one row of preallocated host arrays (its tokens and its block table), so
 a step's flat batch is built by vectorised gathers over rows instead of Python lists rebuilt
 from request objects. A row is taken when the core first sends the sequence and released when
-the core says it finished; preemption keeps the row (tokens, seeded generator) and drops the
-blocks. Updated only from ``step.SchedulerOutput`` and the tokens this worker sampled.
+the core says it finished or preempted it, so rows never outnumber the running sequences; a
+preempted sequence keeps its state (tokens, seeded generator) and gets a row again when it
+resumes. Updated only from ``step.SchedulerOutput`` and the tokens this worker sampled.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ class SequenceState:
     """What the sampler and the prompt-logprob pass read about one sequence."""
 
     req_id: str
-    row: int
+    row: int  # -1 while preempted
     prompt_token_ids: list[int]
     params: SamplingParams
     eos_token_ids: tuple[int, ...]
@@ -75,8 +76,10 @@ class InputBatch:
         for req_id in sched.finished_req_ids:
             self._remove(req_id)
         for req_id in sched.preempted_req_ids:
-            if req_id in self.states:
-                self.num_blocks[self.states[req_id].row] = 0
+            state = self.states.get(req_id)
+            if state is not None and state.row >= 0:
+                self.free_rows.append(state.row)
+                state.row = -1
         for new in sched.new_requests:
             self._add(new)
         self._apply_cached(sched.cached)
@@ -84,28 +87,34 @@ class InputBatch:
     def _add(self, new: NewRequest) -> None:
         if new.req_id in self.states:
             raise ValueError(f"the worker already holds sequence {new.req_id!r}")
-        if not self.free_rows:
-            raise RuntimeError("the worker's batch is full (more sequences than max_num_seqs)")
-        row = self.free_rows.pop()
         generator = None
         if new.generator_seed is not None:
             generator = torch.Generator().manual_seed(new.generator_seed)
-        state = SequenceState(new.req_id, row, list(new.prompt_token_ids),
+        state = SequenceState(new.req_id, -1, list(new.prompt_token_ids),
                               params_from_dict(new.params), tuple(new.eos_token_ids), generator,
                               num_computed_tokens=new.num_computed_tokens)
-        n = len(new.prompt_token_ids)
-        self.token_ids[row, :n] = new.prompt_token_ids
-        self.num_tokens[row] = n
-        self.num_blocks[row] = 0
-        self._append_blocks(row, new.block_ids)
+        self._take_row(state)
+        self._append_blocks(state.row, new.block_ids)
         self.states[new.req_id] = state
 
+    def _take_row(self, state: SequenceState) -> None:
+        """Give ``state`` a row holding its tokens and no blocks."""
+        if not self.free_rows:
+            raise RuntimeError("the worker's batch is full (more sequences than max_num_seqs)")
+        state.row = row = self.free_rows.pop()
+        tokens = state.all_token_ids()
+        self.token_ids[row, :len(tokens)] = tokens
+        self.num_tokens[row] = len(tokens)
+        self.num_blocks[row] = 0
+
     def _apply_cached(self, cached: CachedRequests) -> None:
-        for req_id, blocks, computed, resumed in zip(cached.req_ids, cached.new_block_ids,
-                                                     cached.num_computed_tokens, cached.resumed):
+        for req_id, kept, blocks, computed in zip(cached.req_ids, cached.num_kept_blocks,
+                                                  cached.new_block_ids,
+                                                  cached.num_computed_tokens):
             state = self.states[req_id]
-            if resumed:
-                self.num_blocks[state.row] = 0
+            if state.row < 0:
+                self._take_row(state)  # resumed after preemption
+            self.num_blocks[state.row] = kept
             self._append_blocks(state.row, blocks)
             state.num_computed_tokens = computed
 
@@ -116,7 +125,7 @@ class InputBatch:
 
     def _remove(self, req_id: str) -> None:
         state = self.states.pop(req_id, None)
-        if state is not None:
+        if state is not None and state.row >= 0:  # a preempted one holds no row
             self.free_rows.append(state.row)
 
     # ---- after a step ----------------------------------------------------------------------

@@ -7,9 +7,10 @@ changed (``CachedRequests``: new block ids, progress) and which requests run how
 The worker keeps everything else in its persistent batch state (``input_batch.InputBatch``).
 
 A worker appends the tokens it samples to its own copy of each sequence, so the core never
-sends tokens back. Preemption keeps the worker's state (tokens, seeded generator) but drops
-the blocks; the request comes back in ``CachedRequests`` with ``resumed`` set and a whole new
-block table.
+sends tokens back. Preemption keeps the worker's state (tokens, seeded generator) but frees
+its batch row and blocks; the request comes back in ``CachedRequests`` with a whole new
+block table (``num_kept_blocks`` 0). A running sequence whose computed block was swapped for
+an identical cached one is sent its table again from that block on.
 """
 
 from __future__ import annotations
@@ -39,9 +40,9 @@ class CachedRequests(msgspec.Struct, array_like=True):
     lists, one entry per request."""
 
     req_ids: list[str] = []
-    new_block_ids: list[list[int]] = []  # appended to its table (resumed: the whole table)
+    num_kept_blocks: list[int] = []  # the worker keeps this prefix of its block table...
+    new_block_ids: list[list[int]] = []  # ...and appends these
     num_computed_tokens: list[int] = []  # the core's count before this step
-    resumed: list[bool] = []  # back from preemption: replace the table, keep the tokens
 
 
 class SchedulerOutput(msgspec.Struct, tag=True):
@@ -52,7 +53,7 @@ class SchedulerOutput(msgspec.Struct, tag=True):
     num_scheduled_tokens: list[int]
     new_requests: list[NewRequest] = []
     cached: CachedRequests = msgspec.field(default_factory=CachedRequests)
-    preempted_req_ids: list[str] = []  # blocks gone; state kept for resumption
+    preempted_req_ids: list[str] = []  # row and blocks gone; tokens kept for resumption
     finished_req_ids: list[str] = []  # gone for good (finished, aborted, failed)
     # speculative tokens proposed per request (scheduled after its last token); none yet
     spec_token_ids: dict[str, list[int]] = {}
