@@ -69,3 +69,41 @@ def test_flush_emits_incomplete_tail(tok):
     assert detok.text == ""
     detok.flush()
     assert detok.text == tok.decode(ids[:1])
+
+
+class _Chars:
+    """A tokenizer whose token i is the i-th word of a fixed list (no model needed)."""
+
+    WORDS = ["a", "b", "cd", " ", "STOP", "ST", "OP", "xyz", "\n", "é"]
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(self.WORDS[i] for i in ids)
+
+
+@pytest.mark.parametrize("seed", range(20))
+@pytest.mark.parametrize("stop", [[], ["STOP"], ["b cd", "xyzxyz"], ["a"]])
+def test_long_text_settles_without_changing_what_is_seen(seed, stop):
+    """Hundreds of tokens: text, text_between, streaming and stop cuts equal plain string
+    arithmetic on the decoded text, while the detokenizer keeps only a short tail unsettled."""
+    import random
+
+    rng = random.Random(seed)
+    ids = [rng.randrange(len(_Chars.WORDS)) for _ in range(600)]
+    detok = IncrementalDetokenizer(_Chars(), [], stop=stop)
+    streamed, hit, n = "", None, 0
+    for n, token in enumerate(ids, 1):
+        hit = detok.update([token])
+        streamed += detok.take_stream_text(finished=hit is not None)
+        if hit:
+            break
+        assert len(detok._tail) <= detok.max_stop_len + 64 + 4
+        assert len(detok.tokens) <= 2  # only the decode window is kept
+    streamed += detok.take_stream_text(finished=True)  # the end: nothing is held back now
+    full = _Chars().decode(ids[:n])
+    if hit is not None:
+        full = full[:full.index(hit)]
+    assert detok.text == streamed == full and detok.num_chars == len(full)
+    assert (hit is not None) == any(s in _Chars().decode(ids) for s in stop)
+    for start, end in ((0, len(full)), (len(full) // 2, len(full) - 3), (len(full) - 70, None)):
+        end = len(full) if end is None else end
+        assert detok.text_between(max(start, 0), end) == full[max(start, 0):end]

@@ -2,10 +2,12 @@
 
 The core runs in a spawned process (see ``core_process``). This side binds two ZMQ sockets in
 a private temp dir: a PUSH for ``AddRequest`` / ``Abort`` / ``Shutdown`` (sent without blocking)
-and a PULL read by one background task, which turns each message's ``OutputDelta``s into delta
-``RequestOutput``s on per-request queues and keeps the latest stats. ``generate`` yields
-deltas (merging what queued while its consumer was busy), or folds them for the cumulative
-and final-only kinds.
+and a PULL read by one background task, which keeps the latest stats and routes each message's
+``SequenceDelta``s through one ``OutputProcessor`` (text, stop strings, n > 1 grouping: all
+outside the core's step loop), putting the delta ``RequestOutput``s it makes on per-request
+queues; a stop string it finds goes back to the core as ``FinishSequences``. ``generate``
+yields deltas (merging what queued while its consumer was busy), or folds them for the
+cumulative and final-only kinds.
 
 The core is dead once its process exits, it reports a fatal error, or its heartbeat (see
 ``heartbeat.py``) is silent for ``HEARTBEAT_TIMEOUT_S`` seconds (a frozen core is killed then).
@@ -15,13 +17,11 @@ Every pending request then fails with ``EngineDeadError`` and ``wait_failed`` re
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import multiprocessing
 import shutil
 import tempfile
 import time
-from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 import msgspec
@@ -33,8 +33,8 @@ from heron.transport import messages as m
 from heron.transport.core_process import run_engine_core
 from heron.loader.model_source import load_tokenizer
 from heron.engine.core_outputs import RequestOutputKind
-from heron.outputs import (CompletionOutput, OutputAccumulator, RequestOutput,
-                           merge_deltas)
+from heron.engine.output_processor import OutputProcessor
+from heron.outputs import OutputAccumulator, RequestOutput, merge_deltas
 from heron.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -52,51 +52,6 @@ class RequestFailedError(RuntimeError):
     engine itself goes on serving the others."""
 
 
-@dataclass
-class _Stream:
-    """One in-flight ``generate``: its queue of delta outputs (or an exception to raise), and
-    what its wire deltas carry only once (prompt facts, metric times)."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    num_unfinished: int  # completions not finished yet
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
-    metrics: dict = field(default_factory=dict)
-    num_cached_tokens: int = 0
-
-    def to_output(self, deltas: list[m.OutputDelta]) -> RequestOutput:
-        """One delta ``RequestOutput`` for the wire deltas of one message: the token lists
-        are passed on as decoded, nothing is copied."""
-        comps, prompt_logprobs, error = [], None, None
-        for delta in deltas:
-            logprobs = None
-            if delta.new_logprobs is not None:
-                logprobs = [m.decode_logprobs(p) for p in delta.new_logprobs]
-            comps.append(CompletionOutput(delta.index, delta.new_text, delta.new_token_ids,
-                                          logprobs, delta.finish_reason, delta.stop_reason))
-            if delta.finish_reason is not None:
-                self.num_unfinished -= 1
-            error = delta.error or error
-            if delta.num_cached_tokens:
-                self.num_cached_tokens = delta.num_cached_tokens
-            if delta.prompt_logprobs is not None:
-                prompt_logprobs = [m.decode_logprobs(p) for p in delta.prompt_logprobs]
-            for key in _METRIC_TIMES:
-                if (value := getattr(delta, key)) is not None:
-                    self.metrics[key] = value
-            self.metrics["num_preemptions"] = delta.num_preemptions
-        out = RequestOutput(self.request_id, None, self.prompt_token_ids, comps,
-                            finished=self.num_unfinished <= 0, prompt_logprobs=prompt_logprobs,
-                            metrics=dict(self.metrics), num_cached_tokens=self.num_cached_tokens,
-                            error=error)
-        if len({c.index for c in comps}) < len(comps):  # one completion twice: merge them
-            return merge_deltas([dataclasses.replace(out, outputs=[c]) for c in comps])
-        return out
-
-
-_METRIC_TIMES = ("arrival_time", "scheduled_time", "first_token_time", "finish_time")
-
-
 class AsyncEngineClient:
     """Talks to one engine-core process; use from a single asyncio event loop."""
 
@@ -112,7 +67,9 @@ class AsyncEngineClient:
         self.eos_token_ids = list(ready.eos_token_ids)
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(m.OutputMsg)
-        self._streams: dict[str, _Stream] = {}
+        self._streams: dict[str, asyncio.Queue] = {}  # request id -> its delta outputs
+        # text, stop strings and n > 1 grouping of every request, outside the core's loop
+        self._processor = OutputProcessor(tokenizer)
         self._stats = m.StatsMsg(num_blocks=ready.num_kv_blocks,
                                  num_free_blocks=ready.num_kv_blocks)
         self._dead: str | None = None  # why the engine is unusable, once it is
@@ -202,7 +159,7 @@ class AsyncEngineClient:
         ``output_kind`` DELTA (the default, O(1) per token): each output names the completions
         that progressed and carries only their new tokens, text and logprobs since the previous
         output (all that queued while the consumer was busy, merged), a completion's finish
-        reason on its last piece, ``prompt_logprobs`` once. CUMULATIVE: everything so far each
+        reason on its last piece. CUMULATIVE: everything so far each
         time (a fresh copy: O(length) per output). FINAL_ONLY: one output, at the end.
         Requests share cached prefixes only with requests of the same ``cache_salt``.
 
@@ -214,19 +171,22 @@ class AsyncEngineClient:
             raise EngineDeadError(self._dead)
         if request_id in self._streams:
             raise ValueError(f"duplicate request id {request_id!r}")
-        stream = _Stream(request_id, list(prompt_token_ids), params.n)
+        prompt_token_ids = list(prompt_token_ids)
+        queue: asyncio.Queue = asyncio.Queue()
         acc = None
         if output_kind is not RequestOutputKind.DELTA:
             acc = OutputAccumulator(params.n, params.logprobs is not None)
-        self._streams[request_id] = stream
+        self._processor.add_request(request_id, None, prompt_token_ids, params,
+                                    RequestOutputKind.DELTA)
+        self._streams[request_id] = queue
         finished = False
         try:
-            self._send(m.AddRequest(request_id, stream.prompt_token_ids,
-                                    m.params_to_dict(params), time.monotonic(), cache_salt))
+            self._send(m.AddRequest(request_id, prompt_token_ids, m.params_to_dict(params),
+                                    time.monotonic(), cache_salt))
             while not finished:
-                items = [await stream.queue.get()]
-                while not stream.queue.empty():  # coalesce what a slow consumer missed
-                    items.append(stream.queue.get_nowait())
+                items = [await queue.get()]
+                while not queue.empty():  # coalesce what a slow consumer missed
+                    items.append(queue.get_nowait())
                 for item in items:
                     if isinstance(item, BaseException):
                         raise item
@@ -248,6 +208,7 @@ class AsyncEngineClient:
             raise
         finally:
             self._streams.pop(request_id, None)
+            self._processor.abort(request_id)
             if not finished and self._dead is None:
                 self._abort_nowait([request_id])
 
@@ -300,18 +261,23 @@ class AsyncEngineClient:
     def _route(self, msg) -> None:
         if isinstance(msg, m.OutputsMsg):
             self._stats = msg.stats
-            by_request: dict[str, list[m.OutputDelta]] = {}
-            for delta in msg.outputs:
-                by_request.setdefault(delta.request_id, []).append(delta)
-            for request_id, deltas in by_request.items():
-                stream = self._streams.get(request_id)
-                if stream is not None:
-                    stream.queue.put_nowait(stream.to_output(deltas))
+            processed = self._processor.process(msg.outputs)
+            for out in processed.outputs:
+                if (queue := self._streams.get(out.request_id)) is not None:
+                    queue.put_nowait(out)
+            try:
+                if processed.stops:  # the core finishes those sequences, sends no more
+                    self._send(m.FinishSequences(processed.stops))
+                if processed.failed:  # their outputs end with "error"; free them in the core
+                    self._send(m.Abort(processed.failed))
+            except EngineDeadError:
+                pass
         elif isinstance(msg, m.ErrorMsg):
             if msg.request_id is None:
                 self._mark_dead(f"the engine core failed: {msg.message}")
-            elif (stream := self._streams.get(msg.request_id)) is not None:
-                stream.queue.put_nowait(ValueError(msg.message))
+            elif (queue := self._streams.get(msg.request_id)) is not None:
+                self._processor.abort(msg.request_id)
+                queue.put_nowait(ValueError(msg.message))
 
     def _mark_dead(self, reason: str, error: bool = True) -> None:
         """Fail every pending and future request with EngineDeadError(reason)."""
@@ -321,8 +287,8 @@ class AsyncEngineClient:
         if error:
             logger.error("%s", reason)
             self._failed.set()
-        for stream in self._streams.values():
-            stream.queue.put_nowait(EngineDeadError(reason))
+        for queue in self._streams.values():
+            queue.put_nowait(EngineDeadError(reason))
 
 
 # ---- helpers ----------------------------------------------------------------------------------

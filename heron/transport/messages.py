@@ -2,16 +2,17 @@
 
 Two one-way ZMQ channels, both bound by the API side:
 
-* input  (API -> core, PUSH/PULL): ``AddRequest``, ``Abort``, ``ResetPrefixCache``,
-  ``Shutdown``.
+* input  (API -> core, PUSH/PULL): ``AddRequest``, ``Abort``, ``FinishSequences`` (stop
+  strings found by the API side's output processor), ``ResetPrefixCache``, ``Shutdown``.
 * output (core -> API, PUSH/PULL): ``ReadyMsg`` once, then ``OutputsMsg`` per step (and at
   least every ~0.5 s while idle, for fresh stats), ``ErrorMsg`` for rejected requests
   (``request_id`` set) or a fatal core error (``request_id`` None; the core then exits), and
   a ``Heartbeat`` every second from a thread of its own, also while a long step runs: when
   they stop, the core is frozen or gone.
 
-Nothing is pickled: every field is a plain msgpack type. ``OutputDelta`` carries only what is
-new since the previous delta of the same (request, completion index); the client accumulates.
+Nothing is pickled: every field is a plain msgpack type. The core's ``SequenceDelta``s
+(``heron.engine.core_outputs``) cross as they are: per sequence only its new tokens and
+logprobs, no text; the client's ``OutputProcessor`` makes text, stop strings and n > 1 groups.
 """
 
 from __future__ import annotations
@@ -21,11 +22,8 @@ from typing import Any, Union
 
 import msgspec
 
-from heron.outputs import PositionLogprobs
+from heron.engine.core_outputs import SequenceDelta
 from heron.sampling_params import SamplingParams
-
-# One position's logprobs on the wire: [(token_id, logprob, rank), ...].
-WireLogprobs = list[tuple[int, float, int]]
 
 
 # ---- API -> core ------------------------------------------------------------------------------
@@ -41,6 +39,14 @@ class Abort(msgspec.Struct, tag=True):
     request_ids: list[str]
 
 
+class FinishSequences(msgspec.Struct, tag=True):
+    """Stop strings found in the API process: finish each (request id, completion index)
+    with "stop" (stop string as its stop reason) and free its blocks; the core sends nothing
+    more for it."""
+
+    sequences: list[tuple[str, int, str]]
+
+
 class ResetPrefixCache(msgspec.Struct, tag=True):
     """Free every cached KV block no request is using (before any later input is handled)."""
 
@@ -49,7 +55,7 @@ class Shutdown(msgspec.Struct, tag=True):
     pass
 
 
-InputMsg = Union[AddRequest, Abort, ResetPrefixCache, Shutdown]
+InputMsg = Union[AddRequest, Abort, FinishSequences, ResetPrefixCache, Shutdown]
 
 
 # ---- core -> API ------------------------------------------------------------------------------
@@ -83,29 +89,8 @@ class StatsMsg(msgspec.Struct, array_like=True):
     num_prefill_tokens_total: int = 0  # prompt (and recomputed) tokens actually computed
 
 
-class OutputDelta(msgspec.Struct, array_like=True, omit_defaults=True):
-    """What is new for one completion of one request since its previous delta."""
-
-    request_id: str
-    index: int  # completion index, 0 <= index < n
-    new_token_ids: list[int]
-    new_text: str = ""  # text safe to stream (a possible stop-string prefix is held back)
-    new_logprobs: list[WireLogprobs] | None = None  # one entry per new token, if requested
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
-    stop_reason: int | str | None = None
-    error: str | None = None  # with finish_reason "error": why the engine failed the request
-    num_prompt_tokens: int = 0
-    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (first delta)
-    prompt_logprobs: list[WireLogprobs | None] | None = None  # only on a request's first delta
-    arrival_time: float | None = None
-    scheduled_time: float | None = None
-    first_token_time: float | None = None
-    finish_time: float | None = None
-    num_preemptions: int = 0
-
-
 class OutputsMsg(msgspec.Struct, tag=True):
-    outputs: list[OutputDelta]
+    outputs: list[SequenceDelta]  # as the core's step (or an abort) produced them
     stats: StatsMsg
 
 
@@ -130,15 +115,3 @@ def params_to_dict(params: SamplingParams) -> dict[str, Any]:
 def params_from_dict(data: dict[str, Any]) -> SamplingParams:
     """Rebuild (and re-validate: ValueError on bad values) ``SamplingParams``."""
     return SamplingParams(**data)
-
-
-def encode_logprobs(position: PositionLogprobs | None) -> WireLogprobs | None:
-    if position is None:
-        return None
-    return [(token, lp, rank) for token, (lp, rank) in position.items()]
-
-
-def decode_logprobs(wire: WireLogprobs | None) -> PositionLogprobs | None:
-    if wire is None:
-        return None
-    return {token: (lp, rank) for token, lp, rank in wire}
