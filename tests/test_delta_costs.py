@@ -17,10 +17,10 @@ from types import SimpleNamespace
 
 import pytest
 
+from fake_core import LetterTokenizer, offline_client
 from heron import SamplingParams
 from heron.engine.core_outputs import RequestOutputKind, SequenceDelta
 from heron.engine.detokenizer import IncrementalDetokenizer
-from heron.engine.output_processor import OutputProcessor
 from heron.outputs import CompletionOutput, RequestOutput
 from heron.server import serving_completions
 from heron.server.admission import AdmissionController
@@ -28,46 +28,16 @@ from heron.server.metrics import ServerMetrics
 from heron.server.protocol import CompletionRequest
 from heron.server.request_runner import run_all_to_completion, stream_outputs
 from heron.transport import messages as m
-from heron.transport.async_client import AsyncEngineClient
 
 SHORT, LONG = 40, 4000
 PROMPT = [5, 6, 7]
-
-
-class _Tokenizer:
-    def decode(self, ids, skip_special_tokens=True):
-        return "".join(chr(97 + i % 26) for i in ids)
-
-
-class _Proc:
-    pid, exitcode = 0, None
-
-    def is_alive(self):
-        return True
-
-
-class _InSock:
-    def send(self, data, flags=0):
-        pass
-
-
-def _client(detokenize: bool) -> AsyncEngineClient:
-    """A client on no process: its reader never runs; the test routes messages itself.
-    Without ``detokenize`` its output processor makes no text (the server still formats
-    logprobs with the tokenizer)."""
-    ready = m.ReadyMsg("m", "llama", 1 << 20, 1000, 64, 16, [2], None)
-    client = AsyncEngineClient(_Proc(), None, _InSock(), None, ready, "", _Tokenizer())
-    client._reader.cancel()
-    if not detokenize:
-        client._processor = OutputProcessor(None)
-    return client
 
 
 class _DeltaClient:
     """Stands in for the whole client when only the server is measured: yields the delta
     outputs routed to it."""
 
-    tokenizer = _Tokenizer()
+    tokenizer = LetterTokenizer()
 
     def __init__(self) -> None:
         self.queue: asyncio.Queue = asyncio.Queue()
@@ -88,7 +58,7 @@ def _delta_outputs(request_id: str, length: int) -> list[RequestOutput]:
     outs = []
     for i in range(length):
         token, last = 10 + i % 200, i == length - 1
-        comp = CompletionOutput(0, _Tokenizer().decode([token]), [token],
+        comp = CompletionOutput(0, LetterTokenizer().decode([token]), [token],
                                 [{token: (-0.5, 1), token + 1: (-1.5, 2)}],
                                 "length" if last else None)
         outs.append(RequestOutput(request_id, None, PROMPT, [comp], finished=last,
@@ -135,7 +105,7 @@ async def _measure(client, msgs, step) -> float:
 
 
 async def _client_cost(length: int, kind: RequestOutputKind, detokenize: bool) -> float:
-    client = _client(detokenize)
+    client = offline_client(detokenize)
     params = SamplingParams(max_tokens=length, logprobs=1, ignore_eos=True)
     gen = client.generate("r", PROMPT, params, output_kind=kind)
     msgs = _messages("r", length, logprobs=True)
@@ -160,7 +130,7 @@ def _served(path: str, length: int):
     """(client, what to route to it) for the server alone or the whole path."""
     if path == "server":
         return _DeltaClient(), _delta_outputs("r", length)
-    return _client(detokenize=True), _messages("r", length, logprobs=True)
+    return offline_client(detokenize=True), _messages("r", length, logprobs=True)
 
 
 async def _served_stream_cost(length: int, path: str) -> tuple[float, list[str]]:
@@ -260,7 +230,7 @@ def test_detokenizer_costs_o1_per_token():
     """Update and stream (a stop string held back) without copying the text so far."""
 
     def cost(length):
-        detok = IncrementalDetokenizer(_Tokenizer(), PROMPT, stop=["zzzz", "never"])
+        detok = IncrementalDetokenizer(LetterTokenizer(), PROMPT, stop=["zzzz", "never"])
         total, streamed = 0, []
         tracemalloc.start()
         try:
@@ -272,7 +242,7 @@ def test_detokenizer_costs_o1_per_token():
                 total += tracemalloc.get_traced_memory()[1] - base
         finally:
             tracemalloc.stop()
-        assert "".join(streamed) == detok.text == _Tokenizer().decode(
+        assert "".join(streamed) == detok.text == LetterTokenizer().decode(
             [10 + i % 200 for i in range(length)])
         return total / length
 
@@ -285,7 +255,7 @@ def test_a_slow_consumer_gets_one_merged_delta(backlog):
     copied once (the merge is O(backlog))."""
 
     async def body():
-        client = _client(detokenize=True)
+        client = offline_client(detokenize=True)
         params = SamplingParams(max_tokens=backlog, logprobs=1, ignore_eos=True)
         gen = client.generate("r", PROMPT, params)
         first = asyncio.ensure_future(anext(gen))
