@@ -183,15 +183,8 @@ def _assert_flat(short: float, long: float, what: str) -> None:
     assert long <= 1.25 * short + 64, (what, short, long)
 
 
-# With text: OutputProcessor._delta_completion still reads the whole text each step
-# (``seq.text``: O(length)); it must read only the new stretch (``num_chars`` and
-# ``text_between`` of the detokenizer). Remove the xfail when it does.
-TEXT_PATH_COPIES = pytest.mark.xfail(strict=True, reason="the output processor copies the "
-                                     "text so far on every step")
-
-
 @pytest.mark.parametrize("detokenize", [pytest.param(False, id="tokens"),
-                                        pytest.param(True, id="text", marks=TEXT_PATH_COPIES)])
+                                        pytest.param(True, id="text")])
 def test_client_delta_stream_costs_o1_per_token(detokenize):
     short, long = _per_token(_client_cost, RequestOutputKind.DELTA, detokenize)
     _assert_flat(short, long, f"client, delta outputs ({'text' if detokenize else 'tokens'})")
@@ -205,8 +198,7 @@ def test_cumulative_outputs_cost_o_length_per_token():
     assert long > 10 * short
 
 
-SERVED = pytest.mark.parametrize("path", [
-    "server", pytest.param("end-to-end", marks=TEXT_PATH_COPIES)])
+SERVED = pytest.mark.parametrize("path", ["server", "end-to-end"])
 
 
 @SERVED

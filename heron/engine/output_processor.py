@@ -18,7 +18,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from heron.engine.core_outputs import RequestOutputKind, SequenceDelta, decode_logprobs
-from heron.engine.detokenizer import IncrementalDetokenizer, stream_safe_end
+from heron.engine.detokenizer import IncrementalDetokenizer, safe_end
 from heron.engine.isolation import describe
 from heron.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from heron.sampling_params import SamplingParams
@@ -45,7 +45,18 @@ class _Sequence:
 
     @property
     def text(self) -> str:
+        """All the text so far (O(length): for cumulative outputs)."""
         return self.detokenizer.text if self.detokenizer is not None else ""
+
+    @property
+    def num_chars(self) -> int:
+        return self.detokenizer.num_chars if self.detokenizer is not None else 0
+
+    def text_between(self, start: int, end: int) -> str:
+        """text[start:end], in O(end - start) for a recent start."""
+        if self.detokenizer is None:
+            return ""
+        return self.detokenizer.text_between(start, end)
 
 
 @dataclass
@@ -210,13 +221,12 @@ def _delta_completion(index: int, seq: _Sequence, max_stop_len: int) -> Completi
     finished = seq.finish_reason is not None
     if seq.finish_sent:
         return None
-    text = seq.text
-    end = stream_safe_end(text, seq.sent_text, finished, max_stop_len)
+    end = safe_end(seq.num_chars, seq.sent_text, finished, max_stop_len)
     new_tokens = seq.token_ids[seq.sent_tokens:]
     if not new_tokens and end == seq.sent_text and not finished:
         return None
     logprobs = seq.logprobs[seq.sent_tokens:] if seq.logprobs is not None else None
-    out = CompletionOutput(index, text[seq.sent_text:end], new_tokens, logprobs,
+    out = CompletionOutput(index, seq.text_between(seq.sent_text, end), new_tokens, logprobs,
                            seq.finish_reason, seq.stop_reason)
     seq.sent_tokens, seq.sent_text, seq.finish_sent = len(seq.token_ids), end, finished
     return out
