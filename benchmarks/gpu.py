@@ -129,7 +129,7 @@ def phase_llama(args) -> dict:
     return dict(decode_tok_s=(new_tokens - 1) / decode_s, ttft_s=times[0] - start,
                 limit_tok_s=COPY_GBPS * 1e9 / step_bytes, weight_bytes=params,
                 backend=engine.runner.backend.name, graphs=engine.runner.graphs is not None,
-                device=str(engine.device),
+                device=str(engine.runner.device),
                 gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else None)
 
 

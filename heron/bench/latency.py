@@ -76,7 +76,7 @@ def model_shapes(llm) -> dict:
     return {"body": body, "head": head, "layers": arch.num_layers, "q_size": arch.q_size,
             "weight_bytes": roofline.weight_bytes(model),
             "kv_per_token": bytes_per_block(arch, 1, dtype), "dtype": dtype,
-            "device": engine.device}
+            "device": engine.runner.device}
 
 
 def _want_roofline(flag: str) -> bool:
