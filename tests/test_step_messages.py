@@ -13,7 +13,6 @@ from __future__ import annotations
 import itertools
 
 import msgspec
-import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
