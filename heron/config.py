@@ -82,6 +82,48 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class ParallelConfig:
+    """How the model is split over worker ranks (vLLM's names).
+
+    ``tensor_parallel_size`` ranks split every layer (heads, MLP features, vocabulary);
+    ``pipeline_parallel_size`` stages split the layers. World size = tp x pp. Multi-node: each
+    node runs ``nnodes``'s share of the ranks, ``node_rank`` 0 hosting the engine core, and
+    the ranks meet at ``master_addr:master_port``.
+    """
+
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None  # None: a free port on this host (single node)
+    # a collective or a step that takes longer than this is a hung rank: an engine fault
+    collective_timeout_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "nnodes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node_rank must be in [0, {self.nnodes}), got {self.node_rank}")
+        if self.world_size % self.nnodes:
+            raise ValueError(f"world size {self.world_size} (tp x pp) is not divisible by "
+                             f"nnodes {self.nnodes}")
+        if self.nnodes > 1 and self.master_port is None:
+            raise ValueError("a multi-node world needs --master-port (and --master-addr)")
+        if self.collective_timeout_s <= 0:
+            raise ValueError("collective_timeout_s must be > 0")
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.world_size // self.nnodes
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine needs to start: which model, how to run it, how to batch."""
 
@@ -96,22 +138,33 @@ class EngineConfig:
     load_format: str = "auto"  # "auto": weights from the model files; "dummy": random weights
     enforce_eager: bool = False  # True: never capture CUDA graphs
     kv_events_endpoint: str | None = None  # ZMQ PUB address for prefix-cache events (serve)
-    # "uni": the worker runs in the engine core's process; "mp": in a process of its own
-    distributed_executor_backend: str = "uni"
+    # "uni": the worker runs in the engine core's process; "mp": each rank in a process of
+    # its own. None: "uni" for one rank, "mp" for more (see executor_backend)
+    distributed_executor_backend: str | None = None
+    parallel: ParallelConfig = ParallelConfig()
 
     def __post_init__(self) -> None:
         parse_dtype(self.dtype)
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
-        if self.distributed_executor_backend not in ("uni", "mp"):
+        if self.distributed_executor_backend not in (None, "uni", "mp"):
             raise ValueError(f"distributed_executor_backend must be 'uni' or 'mp', got "
                              f"{self.distributed_executor_backend!r}")
+        if self.parallel.world_size > 1 and self.distributed_executor_backend == "uni":
+            raise ValueError(f"the 'uni' executor runs one rank; tensor x pipeline parallel "
+                             f"size {self.parallel.world_size} needs 'mp'")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
 
     @property
     def torch_dtype(self) -> torch.dtype:
         return parse_dtype(self.dtype)
+
+    @property
+    def executor_backend(self) -> str:
+        if self.distributed_executor_backend is not None:
+            return self.distributed_executor_backend
+        return "mp" if self.parallel.world_size > 1 else "uni"
 
 
 # ---- environment ------------------------------------------------------------------------------

@@ -360,3 +360,37 @@ def test_auth_covers_stats_and_docs_and_accepts_any_scheme_case(server):
                                          ("stream", 1), ("echo", "true"), ("stop", 5)])
 def test_no_silent_coercion(client, field, value):
     _assert_error(client.post("/v1/completions", json=_completion(**{field: value})), 400, field)
+
+
+def _worker_ranks(engine_pid: int) -> list[int]:
+    """Pids of the engine core's worker-rank processes."""
+    ranks = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read()
+        except OSError:
+            continue
+        if ppid == engine_pid and b"heron.executor.worker_process" in cmdline:
+            ranks.append(int(entry))
+    return ranks
+
+
+def test_a_killed_worker_rank_ends_streams_with_503_and_the_server_exits_1(tiny_model):
+    srv = HeronServer(tiny_model, "--tensor-parallel-size", "2")
+    try:
+        thread, lines, first = _start_stream(srv.url, _completion(max_tokens=1000, prompt="x",
+                                                                  stream=True))
+        assert first.wait(60)
+        ranks = _worker_ranks(srv.stats()["engine_pid"])
+        assert len(ranks) == 2
+        killed_at = time.monotonic()
+        os.kill(ranks[-1], signal.SIGKILL)
+        thread.join(30)
+        assert time.monotonic() - killed_at < 10
+        assert _sse(lines)[-1]["error"]["code"] == 503
+        assert srv.proc.wait(40) == 1
+    finally:
+        srv.stop()

@@ -50,3 +50,18 @@ def test_chat_api_stops_at_eos_and_detokenizes(smollm2, hf_tokenizer):
     assert out.finish_reason == "stop" and out.token_ids[-1] == 2
     assert "Paris" in out.text
     assert out.text == hf_tokenizer.decode(out.token_ids, skip_special_tokens=True)
+
+
+def test_tensor_parallel_3_equals_one_rank(smollm2, chat_prompts):
+    """9 heads and 3 KV heads over 3 ranks (gloo): 3 query heads and one KV head each."""
+    from heron import LLM
+
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    prompts = [list(p) for p in chat_prompts[:3]]
+    reference = [o.outputs[0].token_ids for o in smollm2.generate(prompts, params)]
+    llm = LLM(tensor_parallel_size=3, kv_cache_memory_gb=0.1, max_model_len=512)
+    try:
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    finally:
+        llm.engine.shutdown()
+    assert got == reference

@@ -95,7 +95,7 @@ def test_a_dead_worker_is_an_engine_fault(tiny):
     try:
         llm.generate(prompts[:1], GREEDY)
         os.kill(llm.engine.core.executor.pid, signal.SIGKILL)
-        with pytest.raises(EngineFault, match="worker process exited"):
+        with pytest.raises(EngineFault, match="worker rank 0 exited"):
             llm.generate(prompts, GREEDY)
     finally:
         llm.engine.shutdown()

@@ -31,6 +31,10 @@ def add_engine_args(p) -> None:
     g.add_argument("--enforce-eager", action="store_true", help="heron: no CUDA graphs")
     g.add_argument("--threads", type=int, default=None,
                    help="torch intra-op threads for every engine (use 1 on a shared machine)")
+    g.add_argument("-tp", "--tensor-parallel-size", type=int, default=1,
+                   help="heron's tensor-parallel ranks")
+    g.add_argument("-pp", "--pipeline-parallel-size", type=int, default=1,
+                   help="heron's pipeline stages")
 
 
 def resolve_dtype(dtype: str | None) -> str:
@@ -47,7 +51,9 @@ def make_llm(args, **overrides):
               "max_model_len": args.max_model_len, "num_kv_blocks": args.num_kv_blocks,
               "kv_cache_memory_gb": args.kv_cache_memory,
               "max_num_batched_tokens": args.max_num_batched_tokens,
-              "max_num_seqs": args.max_num_seqs}
+              "max_num_seqs": args.max_num_seqs,
+              "tensor_parallel_size": args.tensor_parallel_size,
+              "pipeline_parallel_size": args.pipeline_parallel_size}
     if args.no_prefix_caching:
         kwargs["enable_prefix_caching"] = False
     if args.enforce_eager:

@@ -67,7 +67,7 @@ def add_roofline(row: dict, ceil: dict, shapes: dict, input_len: int, output_len
 def model_shapes(llm) -> dict:
     """The sizes the roofline needs, read from heron's loaded model."""
     from heron.bench import roofline
-    from heron.worker.memory import bytes_per_block
+    from heron.worker.memory import KVLayout, bytes_per_block
 
     engine = llm.engine
     model, arch = engine.runner.model, engine.arch
@@ -75,7 +75,7 @@ def model_shapes(llm) -> dict:
     dtype = next(model.parameters()).dtype
     return {"body": body, "head": head, "layers": arch.num_layers, "q_size": arch.q_size,
             "weight_bytes": roofline.weight_bytes(model),
-            "kv_per_token": bytes_per_block(arch, 1, dtype), "dtype": dtype,
+            "kv_per_token": bytes_per_block(KVLayout.of(arch), 1, dtype), "dtype": dtype,
             "device": engine.runner.device}
 
 

@@ -12,6 +12,7 @@ and the others go on; ``EngineFault`` when no request explains the failure.
 
 from __future__ import annotations
 
+import collections
 import logging
 import time
 
@@ -62,16 +63,25 @@ class EngineCore:
         self.kv_cache = KVCacheManager(info.num_kv_blocks, config.cache.block_size,
                                        config.cache.enable_prefix_caching,
                                        record_events=config.kv_events_endpoint is not None)
-        self.scheduler = Scheduler(config.scheduler, self.kv_cache, self.max_model_len)
+        self.scheduler = Scheduler(config.scheduler, self.kv_cache, self.max_model_len,
+                                   micro_batches=self.executor.max_in_flight)
+        # pipeline parallelism: steps submitted and not yet applied, oldest first, and the
+        # outcomes collected ahead of their turn (while isolating a failed step)
+        self._in_flight: collections.deque[SchedulerOutput] = collections.deque()
+        self._ready: dict[int, ModelRunnerOutput | Exception] = {}
         self.sequences: dict[str, list[Request]] = {}  # request id -> its n sequences
         self._failed_steps = 0  # consecutive steps in which every request failed
         logger.info("heron engine core ready: %s (%s, %s, %s backend, %s executor) with %d KV "
                     "blocks x %d tokens in %.1fs", self.model_name, self.arch.architecture,
-                    config.dtype, info.attention_backend, config.distributed_executor_backend,
+                    config.dtype, info.attention_backend, config.executor_backend,
                     info.num_kv_blocks, config.cache.block_size, time.monotonic() - started)
 
     def shutdown(self) -> None:
         self.executor.shutdown()
+
+    def check_health(self) -> None:
+        """``EngineFault`` if a worker is gone: an idle core notices too."""
+        self.executor.check_health()
 
     # ---- requests ------------------------------------------------------------------------
     def validate(self, token_ids: list[int], params: SamplingParams) -> None:
@@ -142,7 +152,8 @@ class EngineCore:
             del self.sequences[request_id]
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.sequences)
+        """Requests to run, or submitted steps whose outcomes are still to be applied."""
+        return bool(self.sequences or self._in_flight)
 
     @property
     def num_unfinished_requests(self) -> int:
@@ -162,6 +173,8 @@ class EngineCore:
     # ---- the step ------------------------------------------------------------------------
     def step(self) -> list[SequenceDelta]:
         """One iteration; the deltas of the sequences that progressed, finished or failed."""
+        if self.executor.max_in_flight > 1:
+            return self._pipelined_step()
         sched = self.scheduler.schedule()
         deltas = self._fail_groups(self.scheduler.take_failed())
         if sched.is_empty and not (sched.finished_req_ids or sched.preempted_req_ids):
@@ -171,12 +184,58 @@ class EngineCore:
         deltas += self._fail_groups(self.scheduler.take_failed())
         return self._forget_finished(deltas)
 
-    def _execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        """Run the step; on failure, bisect to the requests that cause it and fail those."""
+    def _pipelined_step(self) -> list[SequenceDelta]:
+        """Pipeline parallelism: submit a new step while fewer than ``max_in_flight`` run;
+        apply the oldest step's outcome when the pipe is full or nothing new could start.
+        (A sequence is in at most one step in flight, so steps never wait on each other.)"""
+        deltas = []
+        started = False
+        if self.executor.num_in_flight < self.executor.max_in_flight:
+            sched = self.scheduler.schedule()
+            deltas += self._fail_groups(self.scheduler.take_failed())
+            if not sched.is_empty or sched.finished_req_ids or sched.preempted_req_ids:
+                self.executor.submit(sched)
+                self._in_flight.append(sched)
+                started = not sched.is_empty
+        if self._in_flight and (not started or len(self._in_flight) >=
+                                self.executor.max_in_flight):
+            sched = self._in_flight.popleft()
+            outcome = (self._ready.pop(sched.step_id) if sched.step_id in self._ready
+                       else self._try_collect())
+            result = self._execute(sched, outcome)
+            deltas += self.scheduler.update_from_output(sched, result)
+            deltas += self._fail_groups(self.scheduler.take_failed())
+        return self._forget_finished(deltas)
+
+    def _try_collect(self) -> ModelRunnerOutput | Exception:
+        try:
+            return self.executor.collect()
+        except EngineFault:
+            raise
+        except Exception as exc:  # noqa: BLE001 - isolated by _execute
+            return exc
+
+    def _drain(self) -> None:
+        """Collect every submitted step's outcome now (kept for its turn)."""
+        for sched in self._in_flight:
+            if sched.step_id not in self._ready:
+                self._ready[sched.step_id] = self._try_collect()
+
+    def _execute(self, sched: SchedulerOutput,
+                 outcome: ModelRunnerOutput | Exception | None = None) -> ModelRunnerOutput:
+        """Run the step (or take the ``outcome`` of its submitted run); on failure, bisect to
+        the requests that cause it and fail those."""
         everyone = list(range(len(sched.req_ids)))
 
         def run(part):  # the first run applies the step's state changes, re-runs do not
-            return self.executor.execute_model(sched if part is everyone else sched.only(part))
+            if part is everyone:
+                if outcome is None:
+                    return self.executor.execute_model(sched)
+                if isinstance(outcome, Exception):
+                    raise outcome
+                return outcome
+            self._drain()  # re-runs go through an empty pipe
+            return self.executor.execute_model(sched.only(part))
 
         if not everyone:
             return run(everyone)

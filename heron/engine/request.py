@@ -64,6 +64,10 @@ class Request:
     # block is swapped for its cached twin)
     worker_knows: bool = False
     num_blocks_sent: int = 0
+    num_output_sent: int = 0  # pipeline parallelism: output tokens the worker was sent
+    # in a step that is still running (pipeline parallelism keeps several in flight): such a
+    # request is not scheduled again, nor preempted, until that step's outcome is applied
+    in_flight: bool = False
     first_delta_sent: bool = False  # the first delta carries prompt info and metrics
     final_delta_sent: bool = False  # the delta that carries its finish went out
 

@@ -77,10 +77,15 @@ class Scheduler:
     """Decides which requests run each step and how many tokens each computes."""
 
     def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager,
-                 max_model_len: int) -> None:
+                 max_model_len: int, micro_batches: int = 1) -> None:
         self.config = config
         self.kv_cache = kv_cache
         self.max_model_len = max_model_len
+        # Pipeline parallelism keeps up to ``micro_batches`` steps in flight: each takes at
+        # most its share of the running sequences (so the next step has some to run), and
+        # the worker learns sampled tokens from the steps (not every rank samples).
+        self.micro_batches = micro_batches
+        self._step_ids = itertools.count(1)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}  # every unfinished sequence, by id
@@ -140,12 +145,14 @@ class Scheduler:
         if not step.preempted:
             self._schedule_waiting(step, budget)
         self.stats.num_steps += 1
+        for s in step.scheduled:
+            s.request.in_flight = True
         return self._message(step)
 
     def _message(self, step: _Step) -> SchedulerOutput:
         """The step as plain data: new sequences in full, known ones by what changed."""
         out = SchedulerOutput([s.request.request_id for s in step.scheduled],
-                              [s.num_tokens for s in step.scheduled],
+                              [s.num_tokens for s in step.scheduled], next(self._step_ids),
                               preempted_req_ids=[r.request_id for r in step.preempted],
                               finished_req_ids=self._finished_ids)
         self._finished_ids = []
@@ -160,37 +167,46 @@ class Scheduler:
                 cached.num_kept_blocks.append(kept)
                 cached.new_block_ids.append(request.block_ids[kept:])
                 cached.num_computed_tokens.append(request.num_computed_tokens)
+                if self.micro_batches > 1:
+                    cached.new_token_ids.append(
+                        request.output_token_ids[request.num_output_sent:])
+            request.num_output_sent = request.num_output_tokens
             request.worker_knows = True
             request.num_blocks_sent = len(request.block_ids)
         return out
 
     def _schedule_running(self, out: _Step, budget: int) -> int:
         i = 0
-        while i < len(self.running) and budget > 0:
+        seats = -(-len(self.running) // self.micro_batches)  # this step's share
+        while i < len(self.running) and budget > 0 and len(out.scheduled) < seats:
             request = self.running[i]
             num_tokens = min(request.num_tokens - request.num_computed_tokens, budget)
-            if num_tokens <= 0:
+            if num_tokens <= 0 or request.in_flight:
                 i += 1
                 continue
             try:
-                self._allocate_running(request, num_tokens, out)
+                allocated = self._allocate_running(request, num_tokens, out)
             except Exception as exc:  # noqa: BLE001 - this request's bookkeeping broke
                 self.fail(request, exc)
                 continue  # it left self.running: index i is the next request now
-            if request.status != RequestStatus.RUNNING:
-                break  # preempted itself: nothing younger is left to serve
+            if not allocated or request.status != RequestStatus.RUNNING:
+                break  # preempted itself (nothing younger is left to serve), or must wait
             out.scheduled.append(ScheduledRequest(request, num_tokens))
             budget -= num_tokens
             i += 1
         return budget
 
-    def _allocate_running(self, request: Request, num_tokens: int, out: _Step) -> None:
-        """Blocks for ``num_tokens`` more tokens, preempting the youngest until they fit."""
+    def _allocate_running(self, request: Request, num_tokens: int, out: _Step) -> bool:
+        """Blocks for ``num_tokens`` more tokens, preempting the youngest (not in flight)
+        until they fit; False if nothing is left to preempt."""
         while self.kv_cache.allocate(request, num_tokens) is None:
-            victim = self.running[-1]
+            victim = next((r for r in reversed(self.running) if not r.in_flight), None)
+            if victim is None:
+                return False  # every younger request is in flight: wait for their outcomes
             self._preempt(victim, out)
             if victim is request:
-                return
+                return True
+        return True
 
     def _schedule_waiting(self, out: _Step, budget: int) -> None:
         if not self._has_room(budget):
@@ -304,6 +320,10 @@ class Scheduler:
         that gained tokens or finished. ``result`` may cover only part of ``out`` (the rest
         failed and was failed already)."""
         num_tokens = dict(zip(out.req_ids, out.num_scheduled_tokens))
+        for req_id in out.req_ids:
+            request = self.requests.get(req_id)
+            if request is not None:
+                request.in_flight = False
         now = time.monotonic()
         deltas = []
         for i, req_id in enumerate(result.req_ids):

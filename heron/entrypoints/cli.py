@@ -45,9 +45,10 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                         "prefix first (with a fairness cap)")
     g.add_argument("--threads", type=int, default=None,
                    help="torch intra-op threads of the engine (default: torch's choice)")
-    g.add_argument("--distributed-executor-backend", choices=("uni", "mp"), default="uni",
-                   help="uni: the model runs in the engine's process; mp: in a worker "
-                        "process of its own")
+    g.add_argument("--distributed-executor-backend", choices=("uni", "mp"), default=None,
+                   help="uni: the model runs in the engine's process; mp: each rank in a "
+                        "worker process of its own (default: uni for one rank, else mp)")
+    _parallel_args(p)
     g.add_argument("-v", "--verbose", action="store_true", help="log engine details")
 
 
@@ -65,6 +66,31 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=None, help="per-request sampling seed")
     g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     g.add_argument("--ignore-eos", action="store_true")
+
+
+def _parallel_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("parallelism (torch.distributed: gloo on CPU, NCCL on CUDA)")
+    g.add_argument("-tp", "--tensor-parallel-size", type=int, default=1,
+                   help="ranks that split every layer (heads, MLP, vocabulary)")
+    g.add_argument("-pp", "--pipeline-parallel-size", type=int, default=1,
+                   help="pipeline stages that split the layers")
+    g.add_argument("--nnodes", type=int, default=1, help="nodes sharing the ranks")
+    g.add_argument("--node-rank", type=int, default=0,
+                   help="this node (0 runs the engine core and the server; others only ranks)")
+    g.add_argument("--master-addr", default="127.0.0.1",
+                   help="node 0's address (torch.distributed and the core's step socket)")
+    g.add_argument("--master-port", type=int, default=None,
+                   help="torch.distributed port (the step socket uses the next one); "
+                        "default: a free port (single node only)")
+
+
+def parallel_config(args):
+    from heron.config import ParallelConfig
+
+    return ParallelConfig(tensor_parallel_size=args.tensor_parallel_size,
+                          pipeline_parallel_size=args.pipeline_parallel_size,
+                          nnodes=args.nnodes, node_rank=args.node_rank,
+                          master_addr=args.master_addr, master_port=args.master_port)
 
 
 def _sampling_params(args) -> SamplingParams:
@@ -86,7 +112,9 @@ def _make_llm(args):
                scheduling_policy=args.scheduling_policy,
                attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
                num_threads=args.threads,
-               distributed_executor_backend=args.distributed_executor_backend)
+               distributed_executor_backend=args.distributed_executor_backend,
+               tensor_parallel_size=args.tensor_parallel_size,
+               pipeline_parallel_size=args.pipeline_parallel_size)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -157,6 +185,7 @@ def _serve(args) -> int:
         attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
         seed=args.seed, num_threads=args.threads,
         distributed_executor_backend=args.distributed_executor_backend,
+        parallel=parallel_config(args),
         cache=CacheConfig(block_size=args.block_size, num_blocks=args.num_kv_blocks,
                           max_memory_gb=args.kv_cache_memory,
                           enable_prefix_caching=args.enable_prefix_caching),
@@ -171,6 +200,10 @@ def _serve(args) -> int:
         max_sequences_per_request=args.max_sequences_per_request,
         max_body_bytes=args.max_body_bytes,
         cost_per_gpu_hour=args.cost_per_gpu_hour)
+    if config.parallel.node_rank > 0:
+        from heron.executor.multiproc import run_node_ranks
+
+        return run_node_ranks(config)  # this node's ranks; node 0 serves
     return run(config, settings, args.host, args.port)
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Iterable, Iterator, Sequence
 
-from heron.config import CacheConfig, EngineConfig, SchedulerConfig
+from heron.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
 from heron.engine.core_outputs import RequestOutputKind
 from heron.engine.llm_engine import LLMEngine
 from heron.outputs import RequestOutput
@@ -40,12 +40,15 @@ class LLM:
                  seed: int = 0, enable_prefix_caching: bool = True,
                  scheduling_policy: str = "fcfs", load_format: str = "auto",
                  enforce_eager: bool = False, num_threads: int | None = None,
-                 distributed_executor_backend: str = "uni") -> None:
+                 distributed_executor_backend: str | None = None,
+                 tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1) -> None:
         self.engine = LLMEngine(EngineConfig(
             model=model, dtype=dtype, max_model_len=max_model_len,
             attention_backend=attention_backend, seed=seed, load_format=load_format,
             enforce_eager=enforce_eager, num_threads=num_threads,
             distributed_executor_backend=distributed_executor_backend,
+            parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size,
+                                    pipeline_parallel_size=pipeline_parallel_size),
             cache=CacheConfig(block_size=block_size, num_blocks=num_kv_blocks,
                               max_memory_gb=kv_cache_memory_gb,
                               enable_prefix_caching=enable_prefix_caching),

@@ -10,6 +10,7 @@ from heron.worker.worker import Worker
 
 class UniprocExecutor(Executor):
     def __init__(self, config: EngineConfig) -> None:
+        super().__init__()
         self.worker = Worker(config)
         self.info = self.worker.info()
 

@@ -1,7 +1,11 @@
-"""Main of a worker process: ``python -m heron.executor.worker_process ADDRESS PARENT_PID``.
+"""Main of a worker rank: ``python -m heron.executor.worker_process CORE_ADDR RANK INIT_METHOD
+PARENT_PID``.
 
-Receives the engine config, loads the worker, answers ``WorkerInfo``, then runs each step it
-receives until its socket closes, it is terminated, or its parent process is gone.
+Connects to the core (a ZMQ DEALER named by its rank), says hello, receives the engine
+config, loads its shard (joining the torch.distributed world at ``INIT_METHOD``), answers
+``WorkerInfo``, then runs each step it receives until its socket closes, it is terminated, or
+its parent process is gone (``PARENT_PID`` 0: a rank on another node, no parent to watch). A
+thread sends heartbeats on a second connection, so the core notices a rank that froze.
 """
 
 from __future__ import annotations
@@ -10,16 +14,20 @@ import logging
 import os
 import signal
 import sys
+import threading
+import time
 
 import msgspec
 import zmq
 
 from heron.config import EngineConfig
-from heron.executor.wire import CoreMsg, StepFailed, WorkerStartupFailed
+from heron.executor.wire import (CollectStats, CoreMsg, Hello, RankStats, StepDone, StepFailed,
+                                 WorkerStartupFailed)
 
 logger = logging.getLogger("heron.worker")
 
 PARENT_CHECK_MS = 1000
+HEARTBEAT_S = 0.5
 
 
 def _describe(exc: BaseException) -> str:
@@ -27,41 +35,100 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
 
 
-def serve(address: str, parent_pid: int) -> None:
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.PAIR)
+def heartbeat_identity(rank: int) -> bytes:
+    return f"hb{rank}".encode()
+
+
+def _heartbeats(ctx: zmq.Context, address: str, rank: int, stop: threading.Event) -> None:
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.IDENTITY, heartbeat_identity(rank))
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(address)
+    while not stop.wait(HEARTBEAT_S):
+        sock.send(b"")
+    sock.close()
+
+
+def _dealer(ctx: zmq.Context, address: str, rank: int) -> zmq.Socket:
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.IDENTITY, str(rank).encode())
     sock.setsockopt(zmq.LINGER, 1000)
     sock.connect(address)
-    encoder = msgspec.msgpack.Encoder()
+    return sock
+
+
+def _load(sock, encoder, rank: int, init_method: str):
+    """The worker for the config the core sends, or None after reporting a failure."""
     config = msgspec.msgpack.decode(sock.recv(), type=EngineConfig)
     try:
         from heron.worker.worker import Worker
 
-        worker = Worker(config)
+        return Worker(config, rank, init_method)
     except Exception as exc:  # noqa: BLE001 - reported to the core, which fails to start
         logger.exception("worker startup failed")
         sock.send(encoder.encode(WorkerStartupFailed(_describe(exc))))
+        return None
+
+
+def _parent_gone(parent_pid: int) -> bool:
+    return parent_pid != 0 and os.getppid() != parent_pid
+
+
+class _StepLoop:
+    """Runs the core's messages on a loaded worker: steps (answered with their outcome, a
+    StepDone, or a StepFailed) and stats requests."""
+
+    def __init__(self, worker, rank: int) -> None:
+        self.worker, self.rank = worker, rank
+        self.steps, self.busy_s = 0, 0.0
+
+    def handle(self, msg):
+        if isinstance(msg, CollectStats):
+            return self._stats()
+        started = time.perf_counter()
+        try:
+            reply = self.worker.execute_model(msg)
+        except Exception as exc:  # noqa: BLE001 - the core isolates the requests to blame
+            logger.exception("step failed in worker rank %d", self.rank)
+            reply = StepFailed(_describe(exc), msg.step_id)
+        self.busy_s += time.perf_counter() - started
+        self.steps += 1
+        return StepDone(msg.step_id) if reply is None else reply
+
+    def _stats(self) -> RankStats:
+        from heron.distributed.parallel_state import COMM
+
+        return RankStats(self.rank, self.steps, self.busy_s, COMM.collective_s,
+                         COMM.collective_bytes, COMM.collective_calls, COMM.p2p_s,
+                         COMM.p2p_bytes)
+
+
+def serve(address: str, rank: int, init_method: str, parent_pid: int) -> None:
+    ctx = zmq.Context()
+    stop = threading.Event()
+    threading.Thread(target=_heartbeats, args=(ctx, address, rank, stop), daemon=True).start()
+    sock = _dealer(ctx, address, rank)
+    encoder = msgspec.msgpack.Encoder()
+    sock.send(encoder.encode(Hello(rank)))
+    worker = _load(sock, encoder, rank, init_method)
+    if worker is None:
         return
     sock.send(encoder.encode(worker.info()))
     decoder = msgspec.msgpack.Decoder(CoreMsg)
+    loop = _StepLoop(worker, rank)
     while True:
         if not sock.poll(PARENT_CHECK_MS):
-            if os.getppid() != parent_pid:
+            if _parent_gone(parent_pid):
                 return
             continue
-        sched = decoder.decode(sock.recv())
-        try:
-            reply = worker.execute_model(sched)
-        except Exception as exc:  # noqa: BLE001 - the core isolates the requests to blame
-            logger.exception("step failed in the worker")
-            reply = StepFailed(_describe(exc))
-        sock.send(encoder.encode(reply))
+        sock.send(encoder.encode(loop.handle(decoder.decode(sock.recv()))))
 
 
 def main() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the core's to handle
     logging.basicConfig(level=logging.INFO, format="%(asctime)s heron-worker %(message)s")
-    serve(sys.argv[1], int(sys.argv[2]))
+    address, rank, init_method, parent_pid = sys.argv[1:5]
+    serve(address, int(rank), init_method, int(parent_pid))
 
 
 if __name__ == "__main__":

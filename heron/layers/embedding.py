@@ -1,4 +1,9 @@
-"""Token embedding and the LM head (which may share the embedding's weight)."""
+"""Token embedding and the LM head (which may share the embedding's weight), split by
+vocabulary across the tensor-parallel ranks.
+
+The vocabulary is padded to a multiple of the TP size; rank r holds rows
+[r * V / tp, (r + 1) * V / tp) of the (padded) table, zero past the real vocabulary.
+"""
 
 from __future__ import annotations
 
@@ -6,18 +11,52 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from heron.distributed import get_tp_group
+from heron.layers.linear import default_weight_loader
 
-class VocabEmbedding(nn.Module):
+
+class VocabParallelEmbedding(nn.Module):
+    """(T,) token ids -> (T, hidden): each rank looks up the ids in its range (zero for the
+    others), and the ranks' rows are all-reduced."""
+
     def __init__(self, vocab_size: int, hidden_size: int) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size), requires_grad=False)
+        tp = get_tp_group()
+        self.vocab_size = vocab_size
+        self.tp_rank, self.tp_size = tp.rank_in_group, tp.world_size
+        self.shard_size = -(-vocab_size // self.tp_size)
+        self.vocab_start = self.tp_rank * self.shard_size
+        # real rows of this shard (the last shard may be partly padding)
+        self.num_real_rows = max(0, min(vocab_size - self.vocab_start, self.shard_size))
+        self.weight = nn.Parameter(torch.empty(self.shard_size, hidden_size),
+                                   requires_grad=False)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(input_ids, self.weight)
+        if self.tp_size == 1:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.vocab_start
+        outside = (local < 0) | (local >= self.shard_size)
+        hidden = F.embedding(local.masked_fill(outside, 0), self.weight)
+        hidden.masked_fill_(outside.unsqueeze(-1), 0.0)
+        return get_tp_group().all_reduce(hidden)
+
+    def load_weight(self, param: nn.Parameter, tensor, shard_id=None) -> None:
+        if tensor.shape[0] != self.vocab_size:
+            raise ValueError(f"shape mismatch: vocabulary {self.vocab_size} vs checkpoint "
+                             f"{tuple(tensor.shape)}")
+        n = self.num_real_rows
+        param.data[n:].zero_()
+        default_weight_loader(param.data[:n], tensor.narrow(0, self.vocab_start, n))
 
 
-class LMHead(VocabEmbedding):
-    """Projects hidden states (N, hidden) onto float32 logits (N, vocab)."""
+class ParallelLMHead(VocabParallelEmbedding):
+    """Projects hidden states (N, hidden) onto float32 logits (N, vocab). Each rank computes
+    its vocabulary slice; the slices are gathered on the TP group's first rank (the one that
+    samples), and the other ranks get None."""
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.weight).float()
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        logits = F.linear(hidden, self.weight).float()  # (N, vocab / tp)
+        if self.tp_size == 1:
+            return logits
+        full = get_tp_group().gather(logits, dim=-1)
+        return None if full is None else full[:, :self.vocab_size]

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator
 
 import torch
 
 from heron.loader import safetensors_weights
+from heron.loader.lazy_tensor import ReadCounter
 from heron.loader.checkpoint_checks import check_not_quantized
 
 WeightsFn = Callable[[], Iterator[tuple[str, torch.Tensor]]]
@@ -24,6 +25,9 @@ class ModelSource:
     weights: WeightsFn
     tokenizer_dir: Path | None
     generation_config: dict
+    # bytes the weight iterator read from checkpoint files (safetensors are read lazily:
+    # a tensor-parallel rank reads only its shards)
+    read_counter: ReadCounter = field(default_factory=ReadCounter)
 
 
 def load_tokenizer(tokenizer_dir: str | Path | None):
@@ -53,7 +57,8 @@ def _from_hf_dir(path: Path, load_format: str) -> ModelSource:
         weights = _no_weights
     else:
         files = safetensors_weights.find_safetensors(path)
-        weights = lambda: safetensors_weights.iter_safetensors(files)  # noqa: E731
+        counter = ReadCounter()
+        weights = lambda: safetensors_weights.iter_safetensors(files, counter)  # noqa: E731
     has_tokenizer = any((path / f).is_file() for f in ("tokenizer.json", "tokenizer.model",
                                                        "tokenizer_config.json"))
     return ModelSource(
@@ -62,6 +67,7 @@ def _from_hf_dir(path: Path, load_format: str) -> ModelSource:
         weights=weights,
         tokenizer_dir=path if has_tokenizer else None,
         generation_config=_read_json(path / "generation_config.json"),
+        **({"read_counter": counter} if load_format != "dummy" else {}),
     )
 
 

@@ -6,8 +6,9 @@ import json
 from pathlib import Path
 from typing import Iterator
 
-import torch
 from safetensors import safe_open
+
+from heron.loader.lazy_tensor import LazyTensor, ReadCounter
 
 
 def find_safetensors(path: Path) -> list[Path]:
@@ -26,8 +27,11 @@ def find_safetensors(path: Path) -> list[Path]:
     return files
 
 
-def iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_safetensors(files: list[Path], counter: ReadCounter | None = None
+                     ) -> Iterator[tuple[str, LazyTensor]]:
+    """(name, tensor not read yet): each is read (all of it, or the slice a loader narrows
+    it to) while the iteration is at it."""
     for file in files:
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                yield name, LazyTensor(f.get_slice(name), counter)

@@ -7,8 +7,10 @@ import contextlib
 import torch
 from torch import nn
 
-from heron.layers.embedding import LMHead
-from heron.layers.linear import Linear, default_weight_loader
+from heron.distributed import get_pp_group
+from heron.distributed.pipeline import MissingLayer
+from heron.layers.embedding import ParallelLMHead
+from heron.layers.linear import ReplicatedLinear, default_weight_loader
 from heron.loader import checkpoint_checks as checks
 from heron.models import ModelArchConfig, get_model_class
 
@@ -38,36 +40,47 @@ def build_model(arch: ModelArchConfig, dtype: torch.dtype, device: torch.device)
     with torch.device("meta"), _default_dtype(dtype):
         model = cls(arch)
     model.to_empty(device=device)
-    if arch.tie_word_embeddings:  # to_empty gives each module its own copy: re-tie
-        model.lm_head.weight = model.model.embed_tokens.weight
+    _retie(model)  # to_empty gives each module its own copy
     return model.eval()
 
 
+def _retie(model: nn.Module) -> None:
+    """Share the embedding table with the LM head again (when this stage has both)."""
+    if model.config.tie_word_embeddings and hasattr(model, "lm_head") and \
+            hasattr(model.model, "embed_tokens"):
+        model.lm_head.weight = model.model.embed_tokens.weight
+
+
 def load_weights(model: nn.Module, weights, dtype: torch.dtype) -> None:
-    """Copy every checkpoint tensor into its parameter.
+    """Copy every checkpoint tensor into its parameter (cast to ``dtype`` by the copy); each
+    layer's loader narrows a tensor to this rank's shard before it is read.
 
     Fails (ValueError) on a parameter the checkpoint lacks, on a tensor that is not plain
     floating point, and on checkpoint tensors with no matching parameter unless known harmless
-    (rotary caches, the tied lm_head.weight): see checkpoint_checks.
+    (rotary caches, the tied lm_head.weight) or owned by another pipeline stage: see
+    checkpoint_checks.
     """
-    params = dict(model.named_parameters())
+    params = dict(model.named_parameters())  # a tied lm_head shares the embedding's entry
     packed = getattr(model, "packed_modules", {})
     tied = model.config.tie_word_embeddings
     expected = {name: len(getattr(_owner(model, name), "output_sizes", [None]))
-                for name in params if not (tied and name == "lm_head.weight")}
+                for name in params}
     loaded: dict[str, set] = {}
     unexpected: list[str] = []
     for hf_name, tensor in weights:
         if checks.is_harmless(hf_name) or (tied and hf_name == "lm_head.weight"):
             continue
         name, shard = _route(hf_name, packed)
+        if tied and name == "model.embed_tokens.weight" and name not in params:
+            name = "lm_head.weight"  # a last pipeline stage's own copy of the tied table
         param = params.get(name)
         if param is None:
-            unexpected.append(hf_name)
+            if not _on_other_stage(model, name):
+                unexpected.append(hf_name)
             continue
         checks.check_dtype(hf_name, tensor)
         loader = getattr(_owner(model, name), "load_weight", default_weight_loader)
-        loader(param, tensor.to(dtype), shard)
+        loader(param, tensor, shard)
         loaded.setdefault(name, set()).add(shard)
     if unexpected:
         raise checks.unexpected_tensors_error(unexpected)
@@ -75,6 +88,22 @@ def load_weights(model: nn.Module, weights, dtype: torch.dtype) -> None:
     if missing:
         raise ValueError(f"checkpoint lacks weights for: {', '.join(missing[:8])}"
                          + (" ..." if len(missing) > 8 else ""))
+
+
+def _on_other_stage(model: nn.Module, param_name: str) -> bool:
+    """The parameter belongs to a module another pipeline stage builds (a layer, the
+    embedding, the final norm or the LM head)."""
+    if get_pp_group().world_size == 1:
+        return False
+    path = param_name.rsplit(".", 1)[0]
+    module = model
+    for part in path.split("."):
+        if isinstance(module, MissingLayer):
+            return True
+        if not hasattr(module, part):
+            return part in ("embed_tokens", "norm", "lm_head")
+        module = getattr(module, part)
+    return isinstance(module, MissingLayer)
 
 
 def materialize_weights(model: nn.Module, source, load_format: str, dtype: torch.dtype,
@@ -98,10 +127,9 @@ def optimize_layout(model: nn.Module, device: torch.device) -> None:
     if device.type != "cpu":
         return
     for module in model.modules():
-        if isinstance(module, (Linear, LMHead)):
+        if isinstance(module, (ReplicatedLinear, ParallelLMHead)):
             module.weight.data = module.weight.data.t().contiguous().t()
-    if model.config.tie_word_embeddings:
-        model.model.embed_tokens.weight = model.lm_head.weight
+    _retie(model)
 
 
 def _owner(model: nn.Module, param_name: str) -> nn.Module:

@@ -1,6 +1,10 @@
 """The Llama decoder, which Mistral, Qwen2 and Qwen3 specialise with a few flags.
 
 Shapes: the batch is flat, ``input_ids``/``positions`` are (T,), hidden states (T, hidden).
+Tensor parallelism splits attention by heads (QKV column-parallel, o_proj row-parallel) and
+the MLP by intermediate features (gate_up column-, down row-parallel): two all-reduces per
+layer. Pipeline parallelism builds only this stage's layers (``MissingLayer`` elsewhere); the
+first stage embeds, the last norms and projects to logits.
 """
 
 from __future__ import annotations
@@ -10,8 +14,10 @@ from torch import nn
 
 from heron.attention import get_forward_context
 from heron.layers.activation import silu_and_mul
-from heron.layers.embedding import LMHead, VocabEmbedding
-from heron.layers.linear import Linear, MergedLinear
+from heron.distributed import get_pp_group
+from heron.distributed.pipeline import IntermediateTensors, MissingLayer, stage_layers
+from heron.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from heron.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from heron.layers.norm import RMSNorm
 from heron.layers.rotary import RotaryEmbedding, apply_rotary
 from heron.models.config import ModelArchConfig
@@ -21,11 +27,14 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelArchConfig, layer_idx: int, qkv_bias: bool, qk_norm: bool):
         super().__init__()
         self.layer_idx = layer_idx
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.head_dim = cfg.head_dim
         self.scale = cfg.head_dim ** -0.5
         self.sliding_window = cfg.sliding_window
-        self.qkv_proj = MergedLinear(cfg.hidden_size, [cfg.q_size, cfg.kv_size, cfg.kv_size], qkv_bias)
-        self.o_proj = Linear(cfg.q_size, cfg.hidden_size, bias=False)
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_heads,
+                                          cfg.num_kv_heads, qkv_bias)
+        # this rank's heads (all of them without tensor parallelism)
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.o_proj = RowParallelLinear(cfg.q_size, cfg.hidden_size, bias=False)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if qk_norm else None
 
@@ -47,8 +56,9 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: ModelArchConfig):
         super().__init__()
-        self.gate_up_proj = MergedLinear(cfg.hidden_size, [cfg.intermediate_size] * 2)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size)
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size,
+                                                       [cfg.intermediate_size] * 2)
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
@@ -77,20 +87,36 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
+    """This pipeline stage's part of the decoder (all of it without pipeline parallelism)."""
+
     def __init__(self, cfg: ModelArchConfig, qkv_bias: bool, qk_norm: bool):
         super().__init__()
-        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
+        pp = get_pp_group()
+        self.is_first_stage, self.is_last_stage = pp.is_first, pp.is_last
+        self.layer_range = stage_layers(cfg.num_layers, pp.rank_in_group, pp.world_size)
+        if self.is_first_stage:
+            self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
         self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, i, qkv_bias, qk_norm) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            DecoderLayer(cfg, i, qkv_bias, qk_norm) if i in self.layer_range else MissingLayer()
+            for i in range(cfg.num_layers))
+        if self.is_last_stage:
+            self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                intermediate: IntermediateTensors | None = None):
+        """The first stage starts from ``input_ids``, the others from the previous stage's
+        ``intermediate``; the last stage returns normed hidden states (T, hidden), the
+        others ``IntermediateTensors`` for the next stage."""
+        if self.is_first_stage:
+            hidden, residual = self.embed_tokens(input_ids), None
+        else:
+            hidden, residual = intermediate.hidden, intermediate.residual
         rope = self.rotary_emb(positions, hidden.dtype)
-        residual = None
-        for layer in self.layers:
-            hidden, residual = layer(hidden, residual, rope)
+        for i in self.layer_range:
+            hidden, residual = self.layers[i](hidden, residual, rope)
+        if not self.is_last_stage:
+            return IntermediateTensors(hidden, residual)
         return self.norm(hidden, residual)[0]
 
 
@@ -109,19 +135,28 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = DecoderModel(cfg, self._qkv_bias(cfg), self.qk_norm)
-        self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size)
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        if self.model.is_last_stage:
+            self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
+            if cfg.tie_word_embeddings and self.model.is_first_stage:
+                self.lm_head.weight = self.model.embed_tokens.weight
 
     @classmethod
     def _qkv_bias(cls, cfg: ModelArchConfig) -> bool:
         return cls.qkv_bias or cfg.attention_bias
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids, positions)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                intermediate: IntermediateTensors | None = None):
+        return self.model(input_ids, positions, intermediate)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden (N, hidden) -> float32 logits (N, vocab)."""
+    def kv_cache_layout(self) -> tuple[range, int, int]:
+        """(the layers this stage computes, KV heads per layer on this rank, head dim): what
+        this rank's KV cache holds."""
+        first = self.model.layers[self.model.layer_range[0]].self_attn
+        return self.model.layer_range, first.num_kv_heads, first.head_dim
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """hidden (N, hidden) -> float32 logits (N, vocab) on the TP group's first rank of
+        the last stage; None on the other TP ranks (each computes its vocabulary slice)."""
         return self.lm_head(hidden)
 
 

@@ -53,6 +53,8 @@ class CoreServer:
                 return
             if self.core.has_unfinished_requests():
                 deltas += self.core.step()  # EngineFault: fatal, the process reports it
+            else:
+                self.core.check_health()
             if self.kv_events is not None:
                 self.kv_events.publish(self.core.take_kv_events())
             if deltas or changed or time.monotonic() - self.last_send >= STATS_INTERVAL_S:

@@ -117,6 +117,8 @@ class InputBatch:
             self.num_blocks[state.row] = kept
             self._append_blocks(state.row, blocks)
             state.num_computed_tokens = computed
+        for req_id, tokens in zip(cached.req_ids, cached.new_token_ids):
+            self._append_tokens(self.states[req_id], tokens)
 
     def _append_blocks(self, row: int, blocks: list[int]) -> None:
         start = int(self.num_blocks[row])
@@ -135,11 +137,14 @@ class InputBatch:
         for req_id, n, tokens in zip(req_ids, num_tokens, sampled):
             state = self.states[req_id]
             state.num_computed_tokens += n
-            if tokens:
-                row, end = state.row, int(self.num_tokens[state.row])
-                self.token_ids[row, end:end + len(tokens)] = tokens
-                self.num_tokens[row] = end + len(tokens)
-                state.output_token_ids.extend(tokens)
+            self._append_tokens(state, tokens)
+
+    def _append_tokens(self, state: SequenceState, tokens: list[int]) -> None:
+        if tokens:
+            row, end = state.row, int(self.num_tokens[state.row])
+            self.token_ids[row, end:end + len(tokens)] = tokens
+            self.num_tokens[row] = end + len(tokens)
+            state.output_token_ids.extend(tokens)
 
     # ---- the flat batch of one step -------------------------------------------------------
     def host_batch(self, req_ids: list[str], num_tokens: list[int]) -> HostBatch:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from heron.config import CacheConfig
@@ -11,10 +13,25 @@ from heron.models import ModelArchConfig
 CPU_DEFAULT_MAX_GB = 4.0
 
 
-def bytes_per_block(arch: ModelArchConfig, block_size: int, dtype: torch.dtype) -> int:
-    """K and V for ``block_size`` tokens across every layer."""
+@dataclass(frozen=True)
+class KVLayout:
+    """What one rank's KV cache holds per token: its layers (a pipeline stage's), its KV
+    heads (a tensor-parallel rank's), the head dim."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+
+    @classmethod
+    def of(cls, arch: ModelArchConfig) -> KVLayout:
+        """The whole model's (one rank)."""
+        return cls(arch.num_layers, arch.num_kv_heads, arch.head_dim)
+
+
+def bytes_per_block(layout: KVLayout, block_size: int, dtype: torch.dtype) -> int:
+    """K and V for ``block_size`` tokens across the rank's layers."""
     elem = torch.finfo(dtype).bits // 8
-    return 2 * arch.num_layers * block_size * arch.num_kv_heads * arch.head_dim * elem
+    return 2 * layout.num_layers * block_size * layout.num_kv_heads * layout.head_dim * elem
 
 
 def available_bytes(device: torch.device) -> int:
@@ -26,7 +43,7 @@ def available_bytes(device: torch.device) -> int:
     return info["MemAvailable"] * 1024
 
 
-def num_kv_blocks(arch: ModelArchConfig, cache: CacheConfig, dtype: torch.dtype,
+def num_kv_blocks(layout: KVLayout, cache: CacheConfig, dtype: torch.dtype,
                   device: torch.device, max_useful_tokens: int) -> int:
     """Blocks that fit in ``memory_fraction`` of available memory, under the caps.
 
@@ -40,7 +57,7 @@ def num_kv_blocks(arch: ModelArchConfig, cache: CacheConfig, dtype: torch.dtype,
         cap_gb = CPU_DEFAULT_MAX_GB
     if cap_gb is not None:
         budget = min(budget, cap_gb * 1024**3)
-    per_block = bytes_per_block(arch, cache.block_size, dtype)
+    per_block = bytes_per_block(layout, cache.block_size, dtype)
     useful = -(-max_useful_tokens // cache.block_size)
     blocks = min(int(budget // per_block), useful)
     if blocks < 1:

@@ -9,6 +9,8 @@ import torch
 from heron.attention import ForwardContext, forward_context, get_attention_backend
 from heron.attention.metadata import AttentionMetadata
 from heron.config import fault_injection_token
+from heron.distributed import get_pp_group, get_tp_group
+from heron.distributed.pipeline import IntermediateTensors
 from heron.layers.rotary import RotaryEmbedding
 from heron.worker.batch import HostBatch, to_device
 from heron.worker.cuda_graphs import DecodeGraphRunner
@@ -48,10 +50,16 @@ class ModelRunner:
         self.backend = get_attention_backend(backend, device)
         self.use_triton_ops = self.backend.name == "triton"
         self.sampler = Sampler(seed, device)
-        # One tensor per layer: (2, num_blocks, block_size, num_kv_heads, head_dim). Zeroed so
+        self.dtype = dtype
+        self._tp, self._pp = get_tp_group(), get_pp_group()
+        self._is_driver = self._tp.is_first and self._pp.is_last
+        # One tensor per layer of this stage: (2, num_blocks, block_size, num_kv_heads,
+        # head_dim) with this rank's KV heads; None for other stages' layers. Zeroed so
         # padded, masked-out keys/values are finite (0 * NaN would poison the softmax sum).
-        shape = (2, num_blocks, block_size, arch.num_kv_heads, arch.head_dim)
-        self.kv_caches = [_zeros(shape, dtype, device) for _ in range(arch.num_layers)]
+        layers, kv_heads, head_dim = model.kv_cache_layout()
+        shape = (2, num_blocks, block_size, kv_heads, head_dim)
+        self.kv_caches = [_zeros(shape, dtype, device) if i in layers else None
+                          for i in range(arch.num_layers)]
         # No position reaches the KV capacity; rotary tables are sized once for the context.
         self.max_context = min(num_blocks * block_size,
                                max_model_len or arch.max_position_embeddings)
@@ -72,11 +80,12 @@ class ModelRunner:
         self.graphs.capture_all()
 
     def _forward(self, md: AttentionMetadata, input_ids: torch.Tensor,
-                 positions: torch.Tensor) -> torch.Tensor:
-        """(T,) token ids and positions -> hidden states (T, hidden), eagerly."""
+                 positions: torch.Tensor, intermediate: IntermediateTensors | None = None):
+        """(T,) token ids and positions -> hidden states (T, hidden) (or, on a stage that is
+        not the last, ``IntermediateTensors``), eagerly."""
         ctx = ForwardContext(md, self.kv_caches, self.backend, self.use_triton_ops)
         with forward_context(ctx):
-            return self.model(input_ids, positions)
+            return self.model(input_ids, positions, intermediate)
 
     def _reserve_rotary(self, length: int) -> None:
         """Rotary tables cover positions < length (host ints only, no device sync)."""
@@ -84,42 +93,87 @@ class ModelRunner:
         if any(rebuilt) and self.graphs is not None:
             self.graphs.reset()  # they captured the old tables
 
-    def _run_model(self, host: HostBatch) -> torch.Tensor:
+    def _run_model(self, host: HostBatch, intermediate: IntermediateTensors | None = None):
         self._reserve_rotary(max(host.seq_lens_cpu))
         if self.graphs is not None and self.graphs.can_run(host):
             return self.graphs.run(host)
         tensors = to_device(host, self.device)
         md = host.metadata(tensors, self.block_size)
-        return self._forward(md, tensors["input_ids"], tensors["positions"])
+        return self._forward(md, tensors["input_ids"], tensors["positions"], intermediate)
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput | None:
         """Apply the step's state changes, run it, and record what it sampled. Raises (with
-        the batch state as before the forward) when the forward or sampling fails."""
+        the batch state as before the forward) when the forward or sampling fails. Returns
+        the outcome on the driver rank (TP rank 0 of the last stage), None on the others."""
         self.input_batch.update(sched)
         if sched.is_empty:
-            return ModelRunnerOutput([], [], [])
+            return ModelRunnerOutput([], [], []) if self._is_driver else None
         batch = self.input_batch.host_batch(sched.req_ids, sched.num_scheduled_tokens)
         states = [self.input_batch.states[r] for r in sched.req_ids]
         samplers = [states[i] for i, n in enumerate(sched.num_scheduled_tokens)
                     if states[i].num_computed_tokens + n == states[i].num_tokens]
         self._inject_fault(samplers)
-        hidden = self._run_model(batch)
-        sampled: dict[str, list[int]] = {}
-        logprobs: dict[str, list] = {}
-        if samplers:
-            logits = self.model.compute_logits(_rows(hidden, batch.sample_rows))
-            out = self.sampler(logits, samplers)
-            for state, token, lp in zip(samplers, out.token_ids, out.logprobs):
-                sampled[state.req_id] = [token]
-                if lp is not None:
-                    logprobs[state.req_id] = [lp]
+        hidden = self._run_stage(batch)
+        if not self._pp.is_last:  # hidden went to the next stage; tokens come by message
+            self.input_batch.advance(sched.req_ids, sched.num_scheduled_tokens,
+                                     [[] for _ in sched.req_ids])
+            return None
+        sampled, logprobs = self._sample(hidden, batch, samplers)
         prompt_lps = {states[i].req_id: self._prompt_logprobs(states[i], hidden, rows)
                       for i, rows in batch.prompt_lp_rows.items()}
         tokens = [sampled.get(r, []) for r in sched.req_ids]
-        self.input_batch.advance(sched.req_ids, sched.num_scheduled_tokens, tokens)
+        # with pipeline parallelism every stage learns the tokens from the core's next steps
+        own = tokens if self._pp.world_size == 1 else [[] for _ in tokens]
+        self.input_batch.advance(sched.req_ids, sched.num_scheduled_tokens, own)
+        if not self._is_driver:
+            return None
         return ModelRunnerOutput(list(sched.req_ids), tokens,
                                  [logprobs.get(r) for r in sched.req_ids], prompt_lps)
+
+    def _run_stage(self, host: HostBatch) -> torch.Tensor:
+        """This stage's forward: from the token ids (first stage) or the previous stage's
+        output; a stage that is not the last sends its output on and returns it."""
+        pp = self._pp
+        intermediate = None
+        if not pp.is_first:
+            shape = (len(host.input_ids), self.model.config.hidden_size)
+            intermediate = IntermediateTensors(
+                pp.recv(torch.empty(shape, dtype=self.dtype, device=self.device),
+                        pp.rank_in_group - 1),
+                pp.recv(torch.empty(shape, dtype=self.dtype, device=self.device),
+                        pp.rank_in_group - 1))
+        out = self._run_model(host, intermediate)
+        if not pp.is_last:
+            pp.send(out.hidden, pp.rank_in_group + 1)
+            pp.send(out.residual, pp.rank_in_group + 1)
+        return out
+
+    def _sample(self, hidden: torch.Tensor, batch: HostBatch, samplers: list[SequenceState]
+                ) -> tuple[dict[str, list[int]], dict[str, list]]:
+        """Tokens (and logprobs) of the sampling sequences. Every TP rank computes its slice
+        of the logits; the driver samples and, when the TP ranks keep tokens themselves
+        (no pipeline), broadcasts the tokens to them."""
+        sampled: dict[str, list[int]] = {}
+        logprobs: dict[str, list] = {}
+        if not samplers:
+            return sampled, logprobs
+        logits = self.model.compute_logits(_rows(hidden, batch.sample_rows))
+        token_ids = None
+        if logits is not None:
+            out = self.sampler(logits, samplers)
+            token_ids = out.token_ids
+            for state, lp in zip(samplers, out.logprobs):
+                if lp is not None:
+                    logprobs[state.req_id] = [lp]
+        if self._tp.world_size > 1 and self._pp.world_size == 1:
+            t = torch.tensor(token_ids or [0] * len(samplers), dtype=torch.int64)
+            token_ids = self._tp.broadcast(t).tolist()
+        if token_ids is None:
+            return sampled, logprobs
+        for state, token in zip(samplers, token_ids):
+            sampled[state.req_id] = [token]
+        return sampled, logprobs
 
     def _inject_fault(self, samplers: list[SequenceState]) -> None:
         """HERON_FAULT_INJECTION_TOKEN: a sampling sequence whose prompt holds the token
@@ -131,8 +185,12 @@ class ModelRunner:
                 raise RuntimeError(f"injected fault (prompt holds token {self._fault_token})")
 
     def _prompt_logprobs(self, state: SequenceState, hidden, rows: list[int]):
-        """Logprobs of prompt tokens start+1 .. start+len(rows), each given what precedes it."""
-        logprobs = self.model.compute_logits(hidden[rows]).log_softmax(-1).cpu()
+        """Logprobs of prompt tokens start+1 .. start+len(rows), each given what precedes it
+        (on the driver; None on the other TP ranks, which compute their logit slices)."""
+        logits = self.model.compute_logits(hidden[rows])
+        if logits is None:
+            return None
+        logprobs = logits.log_softmax(-1).cpu()
         first = state.num_computed_tokens + 1  # position of the token the first row predicts
         targets = torch.tensor(state.prompt_token_ids[first:first + len(rows)])
         return [top_logprobs(logprobs[i], targets[i], state.params.prompt_logprobs)

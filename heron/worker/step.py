@@ -43,6 +43,10 @@ class CachedRequests(msgspec.Struct, array_like=True):
     num_kept_blocks: list[int] = []  # the worker keeps this prefix of its block table...
     new_block_ids: list[list[int]] = []  # ...and appends these
     num_computed_tokens: list[int] = []  # the core's count before this step
+    # With pipeline parallelism only: the tokens appended since the worker last saw each
+    # request (its ranks do not all sample, so the core sends them). Empty otherwise: a
+    # worker appends what it sampled itself.
+    new_token_ids: list[list[int]] = []
 
 
 class SchedulerOutput(msgspec.Struct, tag=True):
@@ -51,6 +55,7 @@ class SchedulerOutput(msgspec.Struct, tag=True):
 
     req_ids: list[str]
     num_scheduled_tokens: list[int]
+    step_id: int = 0  # increasing; steps run in this order on every rank
     new_requests: list[NewRequest] = []
     cached: CachedRequests = msgspec.field(default_factory=CachedRequests)
     preempted_req_ids: list[str] = []  # row and blocks gone; tokens kept for resumption
@@ -70,7 +75,7 @@ class SchedulerOutput(msgspec.Struct, tag=True):
         """The same step restricted to some of its requests and carrying no state changes
         (already applied): how fault isolation re-runs parts of a failed step."""
         return SchedulerOutput([self.req_ids[i] for i in indices],
-                               [self.num_scheduled_tokens[i] for i in indices])
+                               [self.num_scheduled_tokens[i] for i in indices], self.step_id)
 
 
 class ModelRunnerOutput(msgspec.Struct, tag=True):
@@ -103,3 +108,5 @@ class WorkerInfo(msgspec.Struct, tag=True):
     max_model_len: int
     attention_backend: str
     device: str
+    rank: int = 0
+    bytes_read: int = 0  # checkpoint bytes this rank read (its shards, when sharded)

@@ -1,18 +1,23 @@
-"""A worker: loads the model on its device, sizes the KV cache from the memory left, and runs
-step messages. It knows nothing of requests beyond what ``step.SchedulerOutput`` tells it."""
+"""A worker: one rank. Joins the tensor/pipeline-parallel groups, loads its shard of the model
+on its device, sizes the KV cache from the memory left (every rank agrees on the smallest
+pool), and runs step messages. It knows nothing of requests beyond what
+``step.SchedulerOutput`` tells it."""
 
 from __future__ import annotations
 
 import logging
+import os
 import time
 
 import torch
+import torch.distributed as dist
 
 from heron.config import EngineConfig
 from heron.loader.model_source import resolve_model
 from heron.loader.weights import build_model, materialize_weights, optimize_layout
 from heron.models import ModelArchConfig
-from heron.worker.memory import num_kv_blocks
+from heron.distributed import get_pp_group, get_tp_group, init_parallel
+from heron.worker.memory import KVLayout, num_kv_blocks
 from heron.worker.model_runner import ModelRunner
 from heron.worker.step import ModelRunnerOutput, SchedulerOutput, WorkerInfo
 
@@ -32,37 +37,82 @@ def fit_max_model_len(wanted: int, configured: int | None, capacity: int) -> int
 
 
 class Worker:
-    """One model replica on one device (rank 0 of 1 today)."""
+    """One rank: a model shard on one device. ``init_method`` (a torch.distributed URL) is
+    needed when the world has more than one rank."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, rank: int = 0,
+                 init_method: str | None = None) -> None:
         started = time.monotonic()
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
-        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        par = config.parallel
+        self.rank = rank
+        self.device = _device(rank % par.ranks_per_node)
+        _set_threads(config, self.device)
+        if par.world_size > 1:
+            init_parallel(rank, par.tensor_parallel_size, par.pipeline_parallel_size,
+                          init_method, "nccl" if self.device.type == "cuda" else "gloo",
+                          par.collective_timeout_s)
         source = resolve_model(config.model, config.load_format)
         arch = ModelArchConfig.from_hf(source.hf_config)
         dtype = config.torch_dtype
         model = build_model(arch, dtype, self.device)
         materialize_weights(model, source, config.load_format, dtype, config.seed)
         optimize_layout(model, self.device)
+        self.bytes_read = source.read_counter.bytes_read
+        layers, kv_heads, head_dim = model.kv_cache_layout()
         wanted = config.max_model_len or arch.max_position_embeddings
         sched = config.scheduler
-        blocks = num_kv_blocks(arch, config.cache, dtype, self.device,
-                               sched.max_num_seqs * wanted)
+        blocks = _agree_min(num_kv_blocks(KVLayout(len(layers), kv_heads, head_dim),
+                                          config.cache, dtype, self.device,
+                                          sched.max_num_seqs * wanted), self.device)
         self.max_model_len = fit_max_model_len(wanted, config.max_model_len,
                                                blocks * config.cache.block_size)
         self.runner = ModelRunner(model, blocks, config.cache.block_size, dtype, self.device,
                                   config.attention_backend, config.seed,
-                                  enforce_eager=config.enforce_eager,
+                                  enforce_eager=config.enforce_eager or par.world_size > 1,
                                   max_num_seqs=sched.max_num_seqs,
                                   max_model_len=self.max_model_len)
         self.num_kv_blocks = blocks
-        logger.info("heron worker ready: %d KV blocks x %d tokens on %s in %.1fs", blocks,
-                    config.cache.block_size, self.device, time.monotonic() - started)
+        logger.info("heron worker %d/%d ready (tp rank %d, pp stage %d, layers %d-%d): %d KV "
+                    "blocks x %d tokens on %s in %.1fs", rank, par.world_size,
+                    get_tp_group().rank_in_group, get_pp_group().rank_in_group, layers[0],
+                    layers[-1], blocks, config.cache.block_size, self.device,
+                    time.monotonic() - started)
+
+    @property
+    def is_driver(self) -> bool:
+        """The rank whose step results the core reads: TP rank 0 of the last stage."""
+        return get_tp_group().is_first and get_pp_group().is_last
 
     def info(self) -> WorkerInfo:
         return WorkerInfo(self.num_kv_blocks, self.max_model_len, self.runner.backend.name,
-                          str(self.device))
+                          str(self.device), self.rank, self.bytes_read)
 
-    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput | None:
+        """The step's outcome on the driver rank; None on the others."""
         return self.runner.execute(sched)
+
+
+def _device(local_rank: int) -> torch.device:
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def _set_threads(config: EngineConfig, device: torch.device) -> None:
+    """``--threads``, or on CPU the cores shared out between this node's ranks."""
+    if config.num_threads:
+        torch.set_num_threads(config.num_threads)
+    elif device.type == "cpu" and config.parallel.ranks_per_node > 1:
+        cores = len(os.sched_getaffinity(0))
+        torch.set_num_threads(max(1, cores // config.parallel.ranks_per_node))
+
+
+def _agree_min(value: int, device: torch.device) -> int:
+    """The smallest ``value`` over every rank (they share one block table)."""
+    if not dist.is_initialized():
+        return value
+    t = torch.tensor([value], dtype=torch.int64,
+                     device=device if device.type == "cuda" else "cpu")
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return int(t.item())
