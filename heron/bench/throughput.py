@@ -11,6 +11,7 @@ from __future__ import annotations
 import gc
 import logging
 
+from heron.bench import parallel_stats
 from heron.bench.heron_offline import HeronOffline, resolve_dtype
 from heron.bench.machine import machine_info
 from heron.bench.results import emit
@@ -36,7 +37,8 @@ def run_engine(engine, samples: list[Sample], warmup: list[Sample]) -> tuple[dic
     """Time one ``engine.generate`` over ``samples`` (the engine reports the seconds spent
     generating, setup excluded) after one over ``warmup``; fail if any request's output
     length is not the requested one (the engines would not have done the same work)."""
-    engine.generate(warmup)
+    if warmup:
+        engine.generate(warmup)
     outputs, elapsed = engine.generate(samples)
     for i, (sample, out) in enumerate(zip(samples, outputs)):
         if len(out) != sample.output_len:
@@ -87,7 +89,10 @@ def run(args) -> dict:
     warmup = [Sample(s.prompt, 8) for s in _as_token_ids(
         build_workload(args, min(4, num), seed_offset=1000, **build), tokenizer)]
     results, outputs = {}, {}
-    results["heron"], outputs["heron"] = run_engine(heron, samples, warmup)
+    heron.generate(warmup)
+    before = parallel_stats.snapshot(heron.engine)
+    results["heron"], outputs["heron"] = run_engine(heron, samples, [])  # warmed up above
+    parallel = _parallel_report(heron, before, results["heron"]["elapsed_s"])
     budget = {"kv_tokens": heron.kv_tokens, "step_tokens": heron.step_tokens,
               "max_model_len": heron.max_model_len,
               "max_num_seqs": heron.engine.config.scheduler.max_num_seqs}
@@ -103,17 +108,31 @@ def run(args) -> dict:
             extra = _agreement(outputs["heron"], outputs[peer.name])
         ratios = {k: results["heron"][k] / results[peer.name][k] for k in RATE_KEYS}
     print_table(results, ratios)
+    if parallel:
+        print(parallel_stats.format_report(parallel))
+        extra["parallel"] = parallel
     record = {"kind": "throughput", "machine": machine, "config": _config(args, num, dtype),
               "results": results, "ratios": ratios, **extra}
     emit(record, args.json_out)
     return record
 
 
+def _parallel_report(heron, before, elapsed_s: float) -> dict | None:
+    """Communication and pipeline-bubble figures of the timed run (tp or pp > 1)."""
+    if before is None:
+        return None
+    cfg, arch = heron.engine.config, heron.engine.arch
+    after = parallel_stats.snapshot(heron.engine)
+    return parallel_stats.report(before, after, elapsed_s, cfg.parallel.tensor_parallel_size,
+                                 cfg.parallel.pipeline_parallel_size, arch.hidden_size,
+                                 arch.num_layers, cfg.torch_dtype.itemsize)
+
+
 def _config(args, num: int, dtype: str) -> dict:
     keys = ("model", "load_format", "workload", "prefix_len",
             "num_prefixes", "dataset", "seed", "max_num_batched_tokens", "max_num_seqs",
             "max_model_len", "threads", "peer", "no_prefix_caching", "attention_backend",
-            "enforce_eager")
+            "enforce_eager", "tensor_parallel_size", "pipeline_parallel_size")
     return {k: getattr(args, k, None) for k in keys} | {
         "num_prompts": num, "dtype": dtype,
         "input_len": args.input_len, "output_len": args.output_len or args._default_output}

@@ -19,6 +19,11 @@ A request whose own bookkeeping raises (a lookup, an allocation, caching its blo
 outcome) is finished with status ``FINISHED_ERROR`` and queued in ``take_failed()``; the step
 goes on for everyone else.
 
+With pipeline parallelism several steps are in flight (``micro_batches``): each step takes
+at most its share of the running sequences, a sequence in a step still in flight is neither
+scheduled again nor preempted, and its progress is applied when that step's outcome arrives
+(so ``num_computed_tokens`` always counts computed KV).
+
 A waiting request whose next uncached block is being computed right now by a running prefill
 (``n > 1`` siblings, users sharing a system prompt) is deferred a step, so it reuses that
 block instead of computing it again.

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from heron.distributed import get_tp_group
+from heron.layers.cpu_gemm import CpuGemm
 from heron.layers.linear import default_weight_loader
 
 
@@ -54,8 +55,13 @@ class ParallelLMHead(VocabParallelEmbedding):
     its vocabulary slice; the slices are gathered on the TP group's first rank (the one that
     samples), and the other ranks get None."""
 
+    cpu_gemm: CpuGemm | None = None  # set on CPU by loader.weights.optimize_layout
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        logits = F.linear(hidden, self.weight).float()  # (N, vocab / tp)
+        if self.cpu_gemm is not None:
+            logits = self.cpu_gemm(hidden).float()  # (N, vocab / tp)
+        else:
+            logits = F.linear(hidden, self.weight).float()
         if self.tp_size == 1:
             return logits
         full = get_tp_group().gather(logits, dim=-1)

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from heron.distributed import get_tp_group
+from heron.layers.cpu_gemm import CpuGemm
 from heron.loader.lazy_tensor import materialize
 
 
@@ -41,15 +42,24 @@ def _make_param(*shape: int) -> nn.Parameter:
 
 
 class ReplicatedLinear(nn.Module):
-    """y = x W^T (+ b); W: (out_features, in_features), whole on every rank."""
+    """y = x W^T (+ b); W: (out_features, in_features), whole on every rank.
+
+    On CPU ``loader.weights.optimize_layout`` gives it a ``CpuGemm`` (the weight in the
+    layouts MKL/oneDNN are fastest with) that the matmul then goes through."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
         self.weight = _make_param(out_features, in_features)
         self.bias = _make_param(out_features) if bias else None
+        self.cpu_gemm: CpuGemm | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.matmul(x, self.bias)
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if self.cpu_gemm is not None:
+            return self.cpu_gemm(x, bias)
+        return F.linear(x, self.weight, bias)
 
     def load_weight(self, param: nn.Parameter, tensor, shard_id=None) -> None:
         default_weight_loader(param, tensor)
@@ -145,7 +155,7 @@ class RowParallelLinear(ReplicatedLinear):
         super().__init__(divide(in_features, self.tp_size, "input features"), out_features, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = get_tp_group().all_reduce(F.linear(x, self.weight))
+        y = get_tp_group().all_reduce(self.matmul(x))
         return y if self.bias is None else y + self.bias
 
     def load_weight(self, param: nn.Parameter, tensor, shard_id=None) -> None:

@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from heron.attention import get_forward_context
 from heron.layers.activation import silu_and_mul
+from heron.layers.attention import attention
 from heron.distributed import get_pp_group
 from heron.distributed.pipeline import IntermediateTensors, MissingLayer, stage_layers
 from heron.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -47,9 +47,7 @@ class Attention(nn.Module):
                             self.k_norm(qk[:, self.num_heads:])], dim=1)
         qk = apply_rotary(qk, *rope)  # q and k heads rotated together
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
-        ctx = get_forward_context()
-        out = ctx.backend.forward(q, k, v, ctx.kv_caches[self.layer_idx], ctx.attn_metadata,
-                                  self.scale, self.sliding_window)
+        out = attention(q, k, v, self.layer_idx, self.scale, self.sliding_window)
         return self.o_proj(out.reshape(-1, self.num_heads * self.head_dim))
 
 
