@@ -134,3 +134,50 @@ def test_a_killed_rank_is_an_engine_fault_within_seconds(tmp_path):
         assert time.monotonic() - started < 10
     finally:
         llm.engine.shutdown()
+
+
+def test_two_nodes_on_one_host(tmp_path):
+    """--nnodes 2: node 0 runs the core and rank 0, `heron serve --node-rank 1` only rank 1;
+    they meet over TCP on 127.0.0.1 and equal one process."""
+    import socket
+    import subprocess
+    import sys
+
+    from heron.config import CacheConfig, EngineConfig, ParallelConfig
+    from heron.engine.llm_engine import LLMEngine
+
+    make_tiny_model("llama", tmp_path, num_key_value_heads=2)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # the core's step socket takes port + 1
+    prompts = _prompts(7)[:3]
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
+    single = LLM(str(tmp_path), block_size=4, num_kv_blocks=32)
+    reference = [o.outputs[0].token_ids for o in single.generate(prompts, params)]
+    single.engine.shutdown()
+    node1 = subprocess.Popen(
+        [sys.executable, "-m", "heron.entrypoints.cli", "serve", "--model", str(tmp_path),
+         "-tp", "2", "--nnodes", "2", "--node-rank", "1", "--master-addr", "127.0.0.1",
+         "--master-port", str(port), "--block-size", "4", "--num-kv-blocks", "32"])
+    try:
+        par = ParallelConfig(tensor_parallel_size=2, nnodes=2, node_rank=0,
+                             master_addr="127.0.0.1", master_port=port)
+        engine = LLMEngine(EngineConfig(model=str(tmp_path), parallel=par,
+                                        cache=CacheConfig(block_size=4, num_blocks=32)))
+        try:
+            for i, prompt in enumerate(prompts):
+                engine.add_request(str(i), prompt, params)
+            done = {}
+            for _ in range(200):
+                for out in engine.step():
+                    if out.finished:
+                        done[out.request_id] = out.outputs[0].token_ids
+                if len(done) == len(prompts):
+                    break
+            assert [done[str(i)] for i in range(len(prompts))] == reference
+        finally:
+            engine.shutdown()
+        assert node1.wait(30) == 0  # its rank exited when the core shut down
+    finally:
+        if node1.poll() is None:
+            node1.kill()

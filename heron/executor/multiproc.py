@@ -34,8 +34,8 @@ import zmq
 from heron.config import EngineConfig
 from heron.errors import EngineFault
 from heron.executor.base import Executor
-from heron.executor.wire import (CollectStats, Hello, RankStats, StepDone, StepFailed,
-                                 WorkerMsg, WorkerStartupFailed)
+from heron.executor.wire import (CollectStats, Hello, RankStats, Shutdown, StepDone,
+                                 StepFailed, WorkerMsg, WorkerStartupFailed)
 from heron.worker.step import ModelRunnerOutput, SchedulerOutput, WorkerInfo
 
 POLL_MS = 100  # how often a waiting core checks that its ranks are alive
@@ -59,8 +59,8 @@ def core_address(config: EngineConfig, tmpdir: str) -> tuple[str, str]:
     if par.nnodes == 1:
         path = f"ipc://{tmpdir}/core"
         return path, path
-    port = par.master_port + 1  # required with nnodes > 1 (ParallelConfig)
-    return f"tcp://*:{port}", f"tcp://{par.master_addr}:{port}"
+    address = f"tcp://{par.master_addr}:{par.master_port + 1}"  # the port: ParallelConfig
+    return address, address
 
 
 def init_method(config: EngineConfig) -> str:
@@ -110,7 +110,7 @@ class MultiprocExecutor(Executor):
                                   os.getpid())
         # an executor dropped without shutdown() (or at exit) still stops its ranks
         self._finalizer = weakref.finalize(self, _stop, self._procs, self._ctx, self._sock,
-                                           self._tmpdir)
+                                           self._tmpdir, self.world_size)
         try:
             self.info = self._start(config)
         except BaseException:
@@ -243,7 +243,14 @@ class MultiprocExecutor(Executor):
 
 
 def _stop(procs: list[subprocess.Popen], ctx: zmq.Context, sock: zmq.Socket,
-          tmpdir: str) -> None:
+          tmpdir: str, world_size: int) -> None:
+    shutdown = msgspec.msgpack.encode(Shutdown())
+    for rank in range(world_size):  # ranks on other nodes exit on it (best effort)
+        try:
+            sock.send_multipart([str(rank).encode(), shutdown], zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass
+    sock.setsockopt(zmq.LINGER, 500)
     for proc in procs:
         if proc.poll() is None:
             proc.terminate()

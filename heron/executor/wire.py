@@ -34,6 +34,10 @@ class WorkerStartupFailed(msgspec.Struct, tag=True):
     message: str
 
 
+class Shutdown(msgspec.Struct, tag=True):
+    """The core is stopping: a rank exits (ranks on other nodes have no parent to watch)."""
+
+
 class CollectStats(msgspec.Struct, tag=True):
     """Ask every rank for its ``RankStats`` (between steps)."""
 
@@ -54,4 +58,4 @@ class RankStats(msgspec.Struct, tag=True):
 
 WorkerMsg = Union[Hello, WorkerInfo, ModelRunnerOutput, StepDone, StepFailed,
                   WorkerStartupFailed, RankStats]
-CoreMsg = Union[SchedulerOutput, CollectStats]
+CoreMsg = Union[SchedulerOutput, CollectStats, Shutdown]

@@ -21,8 +21,8 @@ import msgspec
 import zmq
 
 from heron.config import EngineConfig
-from heron.executor.wire import (CollectStats, CoreMsg, Hello, RankStats, StepDone, StepFailed,
-                                 WorkerStartupFailed)
+from heron.executor.wire import (CollectStats, CoreMsg, Hello, RankStats, Shutdown, StepDone,
+                                 StepFailed, WorkerStartupFailed)
 
 logger = logging.getLogger("heron.worker")
 
@@ -121,7 +121,10 @@ def serve(address: str, rank: int, init_method: str, parent_pid: int) -> None:
             if _parent_gone(parent_pid):
                 return
             continue
-        sock.send(encoder.encode(loop.handle(decoder.decode(sock.recv()))))
+        msg = decoder.decode(sock.recv())
+        if isinstance(msg, Shutdown):
+            return
+        sock.send(encoder.encode(loop.handle(msg)))
 
 
 def main() -> None:
