@@ -137,10 +137,6 @@ class EngineConfig:
     num_threads: int | None = None
     load_format: str = "auto"  # "auto": weights from the model files; "dummy": random weights
     enforce_eager: bool = False  # True: never capture CUDA graphs
-    # vLLM's compilation level: 0 eager; >= 1 torch.compile (inductor) of the model forward,
-    # on CPU for one rank (two graphs, each compiled on its first step: about a minute each
-    # on a small CPU; ~1.1x per step for SmolLM2, benchmarks/cpu_small_ops.py)
-    compilation_level: int = 0
     kv_events_endpoint: str | None = None  # ZMQ PUB address for prefix-cache events (serve)
     # "uni": the worker runs in the engine core's process; "mp": each rank in a process of
     # its own. None: "uni" for one rank, "mp" for more (see executor_backend)
@@ -157,8 +153,6 @@ class EngineConfig:
         if self.parallel.world_size > 1 and self.distributed_executor_backend == "uni":
             raise ValueError(f"the 'uni' executor runs one rank; tensor x pipeline parallel "
                              f"size {self.parallel.world_size} needs 'mp'")
-        if self.compilation_level < 0:
-            raise ValueError(f"compilation level must be >= 0, got {self.compilation_level}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
 

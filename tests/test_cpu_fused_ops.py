@@ -56,14 +56,9 @@ class Steps:
 
 
 @pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
+def tiny(tmp_path_factory):
     path = tmp_path_factory.mktemp("llama")
-    return path, make_tiny_model("llama", path)
-
-
-@pytest.fixture(scope="module")
-def tiny(tiny_dir):
-    path, hf = tiny_dir
+    hf = make_tiny_model("llama", path)
     source = resolve_model(str(path))
     arch = ModelArchConfig.from_hf(source.hf_config)
     model = build_model(arch, torch.float32, CPU)
@@ -139,17 +134,3 @@ def test_compiled_forward_matches_eager_and_hf_without_recompiles(tiny):
     _reserve(model, 128)
     both([(0, [11, 12, 13], 100), (1, [14], 90)])
     both([(2, [15], 110)])
-
-
-def test_engine_with_compilation_level_3_matches_hf(tiny_dir):
-    """`-O 3`: the runner uses the compiled forward through chunked prefill and preemption."""
-    from heron import LLM, SamplingParams
-
-    path, hf = tiny_dir
-    prompts = [[5, 6, 7, 8, 9], list(range(20, 43)), [300, 301]]
-    refs = [hf_greedy(hf, p, 8)[0] for p in prompts]
-    llm = LLM(str(path), compilation_level=3, max_num_batched_tokens=16, block_size=4,
-              num_kv_blocks=12, max_num_seqs=3)
-    assert llm.engine.runner._compiled is not None
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
-    assert [o.outputs[0].token_ids for o in outs] == refs

@@ -29,8 +29,6 @@ def add_engine_args(p) -> None:
     g.add_argument("--attention-backend", default=None,
                    help="heron's attention backend (default: the engine's choice)")
     g.add_argument("--enforce-eager", action="store_true", help="heron: no CUDA graphs")
-    g.add_argument("-O", "--compilation-level", type=int, default=0, metavar="LEVEL",
-                   help="heron: 0 eager, >= 1 torch.compile of the forward (CPU, one rank)")
     g.add_argument("--threads", type=int, default=None,
                    help="torch intra-op threads for every engine (use 1 on a shared machine)")
     g.add_argument("-tp", "--tensor-parallel-size", type=int, default=1,
@@ -55,7 +53,6 @@ def make_llm(args, **overrides):
               "max_num_batched_tokens": args.max_num_batched_tokens,
               "max_num_seqs": args.max_num_seqs,
               "tensor_parallel_size": args.tensor_parallel_size,
-              "compilation_level": args.compilation_level,
               "pipeline_parallel_size": args.pipeline_parallel_size}
     if args.no_prefix_caching:
         kwargs["enable_prefix_caching"] = False

@@ -38,9 +38,6 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    "on CPU heron's C++ paged kernel when it builds; else torch (reference)")
     g.add_argument("--enforce-eager", action="store_true",
                    help="never capture CUDA graphs for decode steps")
-    g.add_argument("-O", "--compilation-level", type=int, default=0, metavar="LEVEL",
-                   help="0: eager; 1-3: torch.compile the model forward (CPU, one rank; "
-                        "each of its two graphs compiles on first use, about a minute)")
     g.add_argument("--no-prefix-cache", dest="enable_prefix_caching", action="store_false",
                    help="do not reuse the KV of cached prompt prefixes")
     g.add_argument("--scheduling-policy", choices=("fcfs", "lpm"), default="fcfs",
@@ -114,7 +111,7 @@ def _make_llm(args):
                enable_prefix_caching=args.enable_prefix_caching,
                scheduling_policy=args.scheduling_policy,
                attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
-               compilation_level=args.compilation_level, num_threads=args.threads,
+               num_threads=args.threads,
                distributed_executor_backend=args.distributed_executor_backend,
                tensor_parallel_size=args.tensor_parallel_size,
                pipeline_parallel_size=args.pipeline_parallel_size)
@@ -186,7 +183,7 @@ def _serve(args) -> int:
         model=model, dtype=args.dtype, max_model_len=args.max_model_len,
         kv_events_endpoint=args.kv_events_endpoint,
         attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
-        compilation_level=args.compilation_level, seed=args.seed, num_threads=args.threads,
+        seed=args.seed, num_threads=args.threads,
         distributed_executor_backend=args.distributed_executor_backend,
         parallel=parallel_config(args),
         cache=CacheConfig(block_size=args.block_size, num_blocks=args.num_kv_blocks,

@@ -39,15 +39,13 @@ class LLM:
                  kv_cache_memory_gb: float | None = None, attention_backend: str = "auto",
                  seed: int = 0, enable_prefix_caching: bool = True,
                  scheduling_policy: str = "fcfs", load_format: str = "auto",
-                 enforce_eager: bool = False, compilation_level: int = 0,
-                 num_threads: int | None = None,
+                 enforce_eager: bool = False, num_threads: int | None = None,
                  distributed_executor_backend: str | None = None,
                  tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1) -> None:
         self.engine = LLMEngine(EngineConfig(
             model=model, dtype=dtype, max_model_len=max_model_len,
             attention_backend=attention_backend, seed=seed, load_format=load_format,
-            enforce_eager=enforce_eager, compilation_level=compilation_level,
-            num_threads=num_threads,
+            enforce_eager=enforce_eager, num_threads=num_threads,
             distributed_executor_backend=distributed_executor_backend,
             parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size,
                                     pipeline_parallel_size=pipeline_parallel_size),

@@ -3,8 +3,6 @@ forward -> sampling -> ``ModelRunnerOutput``."""
 
 from __future__ import annotations
 
-import logging
-
 import numpy as np
 import torch
 
@@ -19,8 +17,6 @@ from heron.worker.cuda_graphs import DecodeGraphRunner
 from heron.worker.input_batch import InputBatch, SequenceState
 from heron.worker.sampler import Sampler, top_logprobs
 from heron.worker.step import ModelRunnerOutput, SchedulerOutput
-
-logger = logging.getLogger(__name__)
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -46,8 +42,7 @@ class ModelRunner:
 
     def __init__(self, model, num_blocks: int, block_size: int, dtype: torch.dtype,
                  device: torch.device, backend: str, seed: int, *, enforce_eager: bool = False,
-                 max_num_seqs: int = 256, max_model_len: int | None = None,
-                 compile_model: bool = False) -> None:
+                 max_num_seqs: int = 256, max_model_len: int | None = None) -> None:
         arch = model.config
         self.model = model
         self.device = device
@@ -75,18 +70,6 @@ class ModelRunner:
         self._fault_token = fault_injection_token()
         if device.type == "cuda" and self.backend.name == "triton" and not enforce_eager:
             self.enable_decode_graphs(max_num_seqs)
-        self._compiled = self._compile() if compile_model else None
-
-    def _compile(self):
-        """The inductor-compiled forward (``compiled_forward``): CPU, one rank."""
-        if self.device.type != "cpu" or self._tp.world_size * self._pp.world_size > 1:
-            raise ValueError("compilation (level >= 1) runs on CPU with a single rank; use "
-                             "CUDA graphs on GPUs")
-        from heron.worker.compiled_forward import compile_forward
-
-        logger.info("compiling the model forward with inductor: the first step with one token "
-                    "and the first with more each take about a minute")
-        return compile_forward(self.model)
 
     def enable_decode_graphs(self, max_batch: int, graph_factory=None) -> None:
         """From now on, decode steps of up to ``max_batch`` requests replay graphs, captured
@@ -102,8 +85,6 @@ class ModelRunner:
         not the last, ``IntermediateTensors``), eagerly."""
         ctx = ForwardContext(md, self.kv_caches, self.backend, self.use_triton_ops)
         with forward_context(ctx):
-            if self._compiled is not None:
-                return self._compiled(input_ids, positions)
             return self.model(input_ids, positions, intermediate)
 
     def _reserve_rotary(self, length: int) -> None:

@@ -70,8 +70,7 @@ class Worker:
                                   config.attention_backend, config.seed,
                                   enforce_eager=config.enforce_eager or par.world_size > 1,
                                   max_num_seqs=sched.max_num_seqs,
-                                  max_model_len=self.max_model_len,
-                                  compile_model=config.compilation_level > 0)
+                                  max_model_len=self.max_model_len)
         self.num_kv_blocks = blocks
         logger.info("heron worker %d/%d ready (tp rank %d, pp stage %d, layers %d-%d): %d KV "
                     "blocks x %d tokens on %s in %.1fs", rank, par.world_size,
