@@ -174,3 +174,10 @@ def fault_injection_token() -> int | None:
     show that one failing request costs only that request."""
     value = os.environ.get("HERON_FAULT_INJECTION_TOKEN")
     return int(value) if value else None
+
+
+def master_address() -> tuple[str, int | None]:
+    """``MASTER_ADDR`` / ``MASTER_PORT`` (torch.distributed's names; a LeaderWorkerSet sets
+    them): the defaults of ``--master-addr`` / ``--master-port``."""
+    port = os.environ.get("MASTER_PORT")
+    return os.environ.get("MASTER_ADDR", "127.0.0.1"), int(port) if port else None

@@ -181,3 +181,15 @@ def test_two_nodes_on_one_host(tmp_path):
     finally:
         if node1.poll() is None:
             node1.kill()
+
+
+def test_master_address_comes_from_the_environment_unless_given(monkeypatch):
+    from heron.entrypoints.cli import build_parser, parallel_config
+
+    monkeypatch.setenv("MASTER_ADDR", "10.0.0.5")
+    monkeypatch.setenv("MASTER_PORT", "29600")
+    par = parallel_config(build_parser().parse_args(["serve", "-tp", "2", "--nnodes", "2"]))
+    assert (par.master_addr, par.master_port, par.world_size) == ("10.0.0.5", 29600, 2)
+    par = parallel_config(build_parser().parse_args(
+        ["serve", "--master-addr", "10.0.0.9", "--master-port", "1234"]))
+    assert (par.master_addr, par.master_port) == ("10.0.0.9", 1234)

@@ -77,20 +77,23 @@ def _parallel_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--nnodes", type=int, default=1, help="nodes sharing the ranks")
     g.add_argument("--node-rank", type=int, default=0,
                    help="this node (0 runs the engine core and the server; others only ranks)")
-    g.add_argument("--master-addr", default="127.0.0.1",
-                   help="node 0's address (torch.distributed and the core's step socket)")
+    g.add_argument("--master-addr", default=None,
+                   help="node 0's address (torch.distributed and the core's step socket; "
+                        "default: $MASTER_ADDR or 127.0.0.1)")
     g.add_argument("--master-port", type=int, default=None,
                    help="torch.distributed port (the step socket uses the next one); "
-                        "default: a free port (single node only)")
+                        "default: $MASTER_PORT, else a free port (single node only)")
 
 
 def parallel_config(args):
-    from heron.config import ParallelConfig
+    from heron.config import ParallelConfig, master_address
 
+    addr, port = master_address()
     return ParallelConfig(tensor_parallel_size=args.tensor_parallel_size,
                           pipeline_parallel_size=args.pipeline_parallel_size,
                           nnodes=args.nnodes, node_rank=args.node_rank,
-                          master_addr=args.master_addr, master_port=args.master_port)
+                          master_addr=args.master_addr or addr,
+                          master_port=args.master_port or port)
 
 
 def _sampling_params(args) -> SamplingParams:
