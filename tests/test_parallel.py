@@ -193,3 +193,16 @@ def test_master_address_comes_from_the_environment_unless_given(monkeypatch):
     par = parallel_config(build_parser().parse_args(
         ["serve", "--master-addr", "10.0.0.9", "--master-port", "1234"]))
     assert (par.master_addr, par.master_port) == ("10.0.0.9", 1234)
+
+
+@pytest.mark.parametrize("heads,kv_heads,layout,message", [
+    (4, 2, dict(tensor_parallel_size=3), r"attention heads \(4\) is not divisible"),
+    (12, 3, dict(tensor_parallel_size=4), "exceeds the 3 KV heads"),
+    (4, 2, dict(pipeline_parallel_size=3), "exceeds the model's 2 layers"),
+])
+def test_layouts_that_do_not_fit_fail_before_any_rank_starts(tmp_path, heads, kv_heads, layout,
+                                                             message):
+    make_tiny_model("llama", tmp_path, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                    hidden_size=16 * heads)
+    with pytest.raises(ValueError, match=message):
+        LLM(str(tmp_path), **layout)

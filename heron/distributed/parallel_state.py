@@ -155,3 +155,24 @@ def destroy_parallel() -> None:
     _TP, _PP = GroupCoordinator.solo(), GroupCoordinator.solo()
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def check_model_fits(num_heads: int, num_kv_heads: int, intermediate_size: int,
+                     num_layers: int, tp: int, pp: int) -> None:
+    """ValueError unless a model of these sizes splits over ``tp`` x ``pp`` ranks: checked
+    by the core before it starts any rank (the layers check again as they are built)."""
+    if num_heads % tp:
+        raise ValueError(f"the number of attention heads ({num_heads}) is not divisible by "
+                         f"the tensor-parallel size {tp}")
+    if tp > num_kv_heads and tp % num_kv_heads:
+        raise ValueError(f"the tensor-parallel size {tp} exceeds the {num_kv_heads} KV heads "
+                         f"but is not a multiple of them")
+    if tp <= num_kv_heads and num_kv_heads % tp:
+        raise ValueError(f"the number of KV heads ({num_kv_heads}) is not divisible by the "
+                         f"tensor-parallel size {tp}")
+    if intermediate_size % tp:
+        raise ValueError(f"the MLP size ({intermediate_size}) is not divisible by the "
+                         f"tensor-parallel size {tp}")
+    if pp > num_layers:
+        raise ValueError(f"pipeline-parallel size {pp} exceeds the model's {num_layers} "
+                         f"layers")

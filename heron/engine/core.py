@@ -17,6 +17,7 @@ import logging
 import time
 
 from heron.config import EngineConfig
+from heron.distributed.parallel_state import check_model_fits
 from heron.engine.core_outputs import SequenceDelta
 from heron.engine.isolation import EngineFault, describe, run_isolating
 from heron.engine.kv_cache import KVCacheManager
@@ -57,6 +58,9 @@ class EngineCore:
         self.model_name = source.name
         self.tokenizer_dir = source.tokenizer_dir  # where another process can load it from
         self.eos_token_ids = _eos_ids(source, self.arch)
+        par, arch = config.parallel, self.arch
+        check_model_fits(arch.num_heads, arch.num_kv_heads, arch.intermediate_size,
+                         arch.num_layers, par.tensor_parallel_size, par.pipeline_parallel_size)
         self.executor = executor or make_executor(config)
         info = self.executor.info
         self.max_model_len = info.max_model_len
