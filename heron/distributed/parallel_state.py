@@ -18,6 +18,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from heron.distributed.pipeline import stage_layers
+
 
 @dataclass
 class CommStats:
@@ -157,22 +159,29 @@ def destroy_parallel() -> None:
         dist.destroy_process_group()
 
 
+def divide(n: int, parts: int, what: str) -> int:
+    """``n / parts`` (``what``: named in the error when it does not divide)."""
+    if n % parts:
+        raise ValueError(f"{what} ({n}) is not divisible by the tensor-parallel size {parts}")
+    return n // parts
+
+
+def kv_heads_per_rank(num_kv_heads: int, tp: int) -> tuple[int, int]:
+    """(KV heads on each rank, ranks sharing each KV head): ``num_kv_heads / tp`` heads each,
+    or, when tp >= num_kv_heads, one head replicated on ``tp / num_kv_heads`` ranks."""
+    if tp < num_kv_heads:
+        return divide(num_kv_heads, tp, "the number of KV heads"), 1
+    if tp % num_kv_heads:
+        raise ValueError(f"the tensor-parallel size {tp} exceeds the {num_kv_heads} KV heads "
+                         f"but is not a multiple of them")
+    return 1, tp // num_kv_heads
+
+
 def check_model_fits(num_heads: int, num_kv_heads: int, intermediate_size: int,
                      num_layers: int, tp: int, pp: int) -> None:
     """ValueError unless a model of these sizes splits over ``tp`` x ``pp`` ranks: checked
-    by the core before it starts any rank (the layers check again as they are built)."""
-    if num_heads % tp:
-        raise ValueError(f"the number of attention heads ({num_heads}) is not divisible by "
-                         f"the tensor-parallel size {tp}")
-    if tp > num_kv_heads and tp % num_kv_heads:
-        raise ValueError(f"the tensor-parallel size {tp} exceeds the {num_kv_heads} KV heads "
-                         f"but is not a multiple of them")
-    if tp <= num_kv_heads and num_kv_heads % tp:
-        raise ValueError(f"the number of KV heads ({num_kv_heads}) is not divisible by the "
-                         f"tensor-parallel size {tp}")
-    if intermediate_size % tp:
-        raise ValueError(f"the MLP size ({intermediate_size}) is not divisible by the "
-                         f"tensor-parallel size {tp}")
-    if pp > num_layers:
-        raise ValueError(f"pipeline-parallel size {pp} exceeds the model's {num_layers} "
-                         f"layers")
+    by the core before it starts any rank, with the rules the layers split by."""
+    divide(num_heads, tp, "the number of attention heads")
+    kv_heads_per_rank(num_kv_heads, tp)
+    divide(intermediate_size, tp, "the MLP size")
+    stage_layers(num_layers, 0, pp)

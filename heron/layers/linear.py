@@ -19,22 +19,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from heron.distributed import get_tp_group
+from heron.distributed.parallel_state import divide, kv_heads_per_rank
 from heron.layers.cpu_gemm import CpuGemm
-from heron.loader.lazy_tensor import materialize
-
-
-def divide(n: int, parts: int, what: str) -> int:
-    if n % parts:
-        raise ValueError(f"{what} ({n}) is not divisible by the tensor-parallel size {parts}")
-    return n // parts
 
 
 def default_weight_loader(param: nn.Parameter, tensor, shard_id=None) -> None:
-    """Copy ``tensor`` (cast to the parameter's dtype) into ``param``; shapes must agree."""
+    """Copy ``tensor`` (cast to the parameter's dtype) into ``param``; shapes must agree. A
+    tensor not read yet (``loader.lazy_tensor.LazyTensor``) is read here."""
     if tuple(param.shape) != tuple(tensor.shape):
         raise ValueError(f"shape mismatch: parameter {tuple(param.shape)} vs checkpoint "
                          f"{tuple(tensor.shape)}")
-    param.data.copy_(materialize(tensor))
+    param.data.copy_(tensor.materialize() if hasattr(tensor, "materialize") else tensor)
 
 
 def _make_param(*shape: int) -> nn.Parameter:
@@ -123,15 +118,7 @@ class QKVParallelLinear(MergedColumnParallelLinear):
                  bias: bool = False) -> None:
         tp = get_tp_group().world_size
         self.num_heads = divide(num_heads, tp, "the number of attention heads")
-        if tp >= num_kv_heads:
-            if tp % num_kv_heads:
-                raise ValueError(f"the tensor-parallel size {tp} exceeds the {num_kv_heads} KV "
-                                 f"heads but is not a multiple of them")
-            self.kv_replicas = tp // num_kv_heads
-            self.num_kv_heads = 1
-        else:
-            self.kv_replicas = 1
-            self.num_kv_heads = divide(num_kv_heads, tp, "the number of KV heads")
+        self.num_kv_heads, self.kv_replicas = kv_heads_per_rank(num_kv_heads, tp)
         self.head_dim = head_dim
         sizes = [self.num_heads * head_dim] + [self.num_kv_heads * head_dim] * 2
         ColumnParallelLinear.__init__(self, hidden_size, sum(sizes) * tp, bias)

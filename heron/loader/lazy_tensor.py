@@ -1,9 +1,10 @@
 """A checkpoint tensor not read yet: safetensors reads only the slice a rank asks for.
 
 ``LazyTensor`` wraps a safetensors slice handle with the part of ``torch.Tensor`` that weight
-loaders use (``shape``, ``dtype``, ``narrow``); ``materialize`` reads it. Loaders treat lazy
-and plain tensors alike through ``narrow`` and ``materialize``, so a tensor-parallel rank
-reads its shard of each projection from the memory map and nothing else.
+loaders use (``shape``, ``dtype``, ``narrow``); ``materialize()`` reads it. Layer loaders
+narrow lazy and plain tensors alike and read a lazy one only when they copy it
+(``layers.linear.default_weight_loader``), so a tensor-parallel rank reads its shard of each
+projection from the memory map and nothing else.
 """
 
 from __future__ import annotations
@@ -64,7 +65,3 @@ class LazyTensor:
             self._counter.bytes_read += t.numel() * t.element_size()
         return t
 
-
-def materialize(t) -> torch.Tensor:
-    """A plain tensor from a plain or lazy one."""
-    return t.materialize() if isinstance(t, LazyTensor) else t
