@@ -53,14 +53,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def core_address(config: EngineConfig, tmpdir: str) -> tuple[str, str]:
-    """(address the core binds, address the ranks connect to)."""
+def core_address(config: EngineConfig, tmpdir: str) -> str:
+    """Where the core binds its step socket and the ranks connect: a local socket file, or
+    master_addr:master_port+1 for several nodes (ParallelConfig requires the port then)."""
     par = config.parallel
     if par.nnodes == 1:
-        path = f"ipc://{tmpdir}/core"
-        return path, path
-    address = f"tcp://{par.master_addr}:{par.master_port + 1}"  # the port: ParallelConfig
-    return address, address
+        return f"ipc://{tmpdir}/core"
+    return f"tcp://{par.master_addr}:{par.master_port + 1}"
 
 
 def init_method(config: EngineConfig) -> str:
@@ -73,9 +72,8 @@ def run_node_ranks(config: EngineConfig) -> int:
     to the core on node 0, and wait for them (they exit when the core goes)."""
     par = config.parallel
     first = par.node_rank * par.ranks_per_node
-    _, connect = core_address(config, "")
-    procs = spawn_ranks(range(first, first + par.ranks_per_node), connect, init_method(config),
-                        0)
+    procs = spawn_ranks(range(first, first + par.ranks_per_node), core_address(config, ""),
+                        init_method(config), 0)
     codes = [proc.wait() for proc in procs]
     return max(codes, default=0)
 
@@ -97,8 +95,8 @@ class MultiprocExecutor(Executor):
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
-        bind, connect = core_address(config, self._tmpdir)
-        self._sock.bind(bind)
+        address = core_address(config, self._tmpdir)
+        self._sock.bind(address)
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(WorkerMsg)
         self._last_seen: dict[int, float] = {}  # rank -> last message (after its hello)
@@ -106,7 +104,7 @@ class MultiprocExecutor(Executor):
         # another finished step k), per rank in order
         self._early: dict[int, collections.deque] = collections.defaultdict(collections.deque)
         self._in_flight: collections.deque[int] = collections.deque()  # step ids, in order
-        self._procs = spawn_ranks(range(par.ranks_per_node), connect, init_method(config),
+        self._procs = spawn_ranks(range(par.ranks_per_node), address, init_method(config),
                                   os.getpid())
         # an executor dropped without shutdown() (or at exit) still stops its ranks
         self._finalizer = weakref.finalize(self, _stop, self._procs, self._ctx, self._sock,

@@ -39,14 +39,15 @@ def heartbeat_identity(rank: int) -> bytes:
     return f"hb{rank}".encode()
 
 
-def _heartbeats(ctx: zmq.Context, address: str, rank: int, stop: threading.Event) -> None:
+def _heartbeats(ctx: zmq.Context, address: str, rank: int) -> None:
+    """A daemon thread's loop: an empty frame every HEARTBEAT_S until the process exits."""
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.IDENTITY, heartbeat_identity(rank))
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(address)
-    while not stop.wait(HEARTBEAT_S):
+    while True:
+        time.sleep(HEARTBEAT_S)
         sock.send(b"")
-    sock.close()
 
 
 def _dealer(ctx: zmq.Context, address: str, rank: int) -> zmq.Socket:
@@ -105,8 +106,7 @@ class _StepLoop:
 
 def serve(address: str, rank: int, init_method: str, parent_pid: int) -> None:
     ctx = zmq.Context()
-    stop = threading.Event()
-    threading.Thread(target=_heartbeats, args=(ctx, address, rank, stop), daemon=True).start()
+    threading.Thread(target=_heartbeats, args=(ctx, address, rank), daemon=True).start()
     sock = _dealer(ctx, address, rank)
     encoder = msgspec.msgpack.Encoder()
     sock.send(encoder.encode(Hello(rank)))

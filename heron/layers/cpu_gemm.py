@@ -11,9 +11,10 @@ layer's weights cold in cache as in a real forward; benchmarks/cpu_gemm.py):
   49152-wide LM head. (MKL's packed sgemm, ``torch.ops.mkl._mkl_linear``, is as fast but
   only for the one row count it was packed for: other counts fall back to the plain weight.)
 
-So a small model keeps both copies (``dual``: twice the projection memory, which is what
-batch-1 decode streams anyway) and picks per call by the number of rows; a large one keeps
-only the packed copy. Where torch lacks MKL / oneDNN the plain ``F.linear`` runs.
+So every float32 projection keeps both copies (``dual``: twice the projection memory) and
+picks per call by the number of rows; ``dual=False`` keeps only the packed copy (not used by
+the loader yet). Where torch lacks oneDNN, ``loader.weights.optimize_layout`` keeps the
+column-major weight alone and ``F.linear`` runs.
 """
 
 from __future__ import annotations
@@ -42,8 +43,3 @@ class CpuGemm:
         if self.gemv is not None and x.shape[0] <= GEMV_MAX_ROWS:
             return F.linear(x, self.gemv, bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
-
-    @property
-    def nbytes(self) -> int:
-        extra = 0 if self.gemv is None else self.gemv.numel() * self.gemv.element_size()
-        return self.packed.numel() * self.packed.element_size() + extra
