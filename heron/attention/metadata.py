@@ -3,6 +3,18 @@
 The runner builds one ``AttentionMetadata`` per step and sets it, together with the KV cache
 tensors, as the forward context; model code stays ``forward(input_ids, positions)`` and each
 attention layer reads what it needs from ``get_forward_context()``.
+
+Tree attention (speculative decoding's tree verification): ``tree_masks`` maps a request
+index ``i`` to a bool ``(Q_i, Q_i)`` CPU tensor, ``Q_i = query_lens_cpu[i]``. The request's
+``Q_i`` queries are, as always, its last ``Q_i`` tokens (K/V stored to their slots as usual),
+but they are the nodes of a candidate tree rather than a chain: query ``a`` sees the whole
+context (keys at sequence index ``< seq_lens[i] - Q_i``) and, among the ``Q_i`` new keys,
+key ``b`` iff ``tree_masks[i][a, b]`` (``b`` is an ancestor of ``a`` or ``a`` itself; the
+diagonal must be True). Nodes need not be in topological order. A lower-triangular mask is
+an ordinary causal chunk; requests absent from the dict are ordinary. Positions (siblings share
+a depth) are the caller's; slots are distinct per node. Not combinable with sliding windows
+(a ValueError). Every backend honours it (``torch`` is the oracle); steps without trees
+(``tree_masks`` None or empty) take exactly the paths they took before.
 """
 
 from __future__ import annotations
@@ -33,10 +45,37 @@ class AttentionMetadata:
     block_size: int
     # Backend-private, per-step derived data (computed once, reused by every layer).
     backend_cache: dict = field(default_factory=dict)
+    # request index -> (Q_i, Q_i) bool CPU tensor: which of its own new keys each of its
+    # queries sees (see the module docstring); None / absent requests are causal.
+    tree_masks: dict[int, torch.Tensor] | None = None
 
     @property
     def num_reqs(self) -> int:
         return len(self.query_lens_cpu)
+
+    def tree_rows(self, sliding_window: int | None = None) -> list[int]:
+        """The requests whose tree mask changes their attention (``Q_i > 1``), ascending, with
+        their masks checked once per step; [] when there are none. Raises ValueError for a
+        malformed mask, or when the calling layer's ``sliding_window`` is set in a step with
+        tree masks."""
+        if not self.tree_masks:
+            return []
+        if sliding_window is not None:
+            raise ValueError("tree attention masks cannot be combined with a sliding window")
+        if "tree_rows" not in self.backend_cache:
+            for i, mask in self.tree_masks.items():
+                if not 0 <= i < self.num_reqs:
+                    raise ValueError(f"tree mask for request {i}, but the step has "
+                                     f"{self.num_reqs} requests")
+                q_len = self.query_lens_cpu[i]
+                if mask.dtype != torch.bool or tuple(mask.shape) != (q_len, q_len):
+                    raise ValueError(f"tree mask of request {i}: expected a ({q_len}, {q_len}) "
+                                     f"bool tensor, got {tuple(mask.shape)} {mask.dtype}")
+                if not bool(mask.diagonal().all()):
+                    raise ValueError(f"tree mask of request {i}: every node must see itself")
+            self.backend_cache["tree_rows"] = sorted(
+                i for i in self.tree_masks if self.query_lens_cpu[i] > 1)
+        return self.backend_cache["tree_rows"]
 
 
 @dataclass

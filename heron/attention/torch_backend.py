@@ -2,7 +2,9 @@
 
 Decodes (query length 1) are batched into one SDPA call over their gathered, padded
 contexts; each prefill chunk gets its own call with a causal mask offset by its cached prefix.
-Handles GQA, any mix of prefill chunks and decodes, and optional sliding windows.
+Handles GQA, any mix of prefill chunks and decodes, and optional sliding windows. A tree
+request (``md.tree_masks``, more than one query) takes the prefill call with its tree mask
+(``tree_attn_mask``); one with a single query is an ordinary decode.
 """
 
 from __future__ import annotations
@@ -56,6 +58,19 @@ def _window_mask(key_pos: torch.Tensor, query_pos: torch.Tensor, sliding_window:
     return mask
 
 
+def tree_attn_mask(md: AttentionMetadata, i: int, device: torch.device) -> torch.Tensor:
+    """(Q_i, seq_lens[i]) bool SDPA mask of tree request ``i``: every context key visible, then
+    its tree mask over the Q_i new keys. Built once per step (cached in md.backend_cache)."""
+    cache = md.backend_cache.setdefault("tree_attn_masks", {})
+    if i not in cache:
+        tree = md.tree_masks[i]
+        q_len, seq_len = tree.shape[0], md.seq_lens_cpu[i]
+        mask = torch.ones(q_len, seq_len, dtype=torch.bool)
+        mask[:, seq_len - q_len:] = tree
+        cache[i] = mask.to(device)
+    return cache[i]
+
+
 class TorchAttentionBackend:
     name = "torch"
 
@@ -77,12 +92,14 @@ class TorchAttentionBackend:
         if plan is not None:
             out[plan.token_idx] = self._decode(q[plan.token_idx], key_cache, value_cache,
                                                plan, scale, sliding_window)
+        trees = md.tree_rows(sliding_window)  # [] without tree masks
         for i, q_len in enumerate(md.query_lens_cpu):
             if q_len > 1:
                 start = md.query_start_loc_cpu[i]
+                mask = tree_attn_mask(md, i, q.device) if i in trees else None
                 out[start:start + q_len] = self._prefill(
                     q[start:start + q_len], key_cache, value_cache, md.block_tables[i],
-                    md.seq_lens_cpu[i], md.block_size, scale, sliding_window)
+                    md.seq_lens_cpu[i], md.block_size, scale, sliding_window, mask)
         return out
 
     @staticmethod
@@ -97,8 +114,9 @@ class TorchAttentionBackend:
 
     @staticmethod
     def _prefill(q, key_cache, value_cache, block_table, seq_len, block_size, scale,
-                 sliding_window):
-        # q: (Q, H, D) for the last Q positions of a sequence of seq_len tokens.
+                 sliding_window, mask=None):
+        # q: (Q, H, D) for the last Q positions of a sequence of seq_len tokens; mask: an
+        # explicit (Q, seq_len) bool mask (a tree's) replacing the causal / window one.
         q_len = q.shape[0]
         num_blocks = -(-seq_len // block_size)
         blocks = block_table[:num_blocks]
@@ -110,7 +128,9 @@ class TorchAttentionBackend:
         keys = keys.repeat_interleave(group, 0).unsqueeze(0)
         values = values.repeat_interleave(group, 0).unsqueeze(0)
         qt = q.transpose(0, 1).unsqueeze(0)  # (1, H, Q, D)
-        if q_len == seq_len and sliding_window is None:
+        if mask is not None:
+            out = F.scaled_dot_product_attention(qt, keys, values, attn_mask=mask, scale=scale)
+        elif q_len == seq_len and sliding_window is None:
             out = F.scaled_dot_product_attention(qt, keys, values, is_causal=True, scale=scale)
         else:
             key_pos = torch.arange(seq_len, device=q.device)

@@ -5,6 +5,12 @@ request's queries are its last ``q_len`` positions (a prefix of ``seq_len - q_le
 may already be in the cache); keys are read page by page through the block table, tile by
 tile of ``BLOCK_N``, with an online softmax in float32. Causal, GQA (query head ``h`` reads KV
 head ``h // group``), optional sliding window. The new tokens' K/V must already be stored.
+
+Optional tree masks (speculative tree verification): a request with a mask sees its whole
+prefix and, among its ``q_len`` new keys, key ``b`` for query ``a`` iff
+``mask[a * q_len + b]`` is nonzero, read from one flat packed int8 tensor at the request's
+offset (-1: no mask, causal). Such a request scans all its new keys (nodes need not be in
+topological order).
 """
 
 from __future__ import annotations
@@ -23,12 +29,12 @@ from heron.kernels.runtime import dot_in_fp32, next_pow2
 def _prefill_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
         rows_ptr, query_start_ptr, seq_lens_ptr, block_tables_ptr,
-        scale_log2, window,
+        tree_mask_ptr, tree_offsets_ptr, scale_log2, window,
         stride_qt, stride_qh, stride_ot, stride_oh,
         stride_cb, stride_cs, stride_ch, stride_bt,
         BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
         BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        USE_WINDOW: tl.constexpr, DOT_FP32: tl.constexpr):
+        USE_WINDOW: tl.constexpr, USE_TREE: tl.constexpr, DOT_FP32: tl.constexpr):
     row = tl.load(rows_ptr + tl.program_id(0))  # request index in the flat batch
     head = tl.program_id(1)
     m_start = tl.program_id(2) * BLOCK_M
@@ -51,6 +57,12 @@ def _prefill_kernel(
 
     hi = prefix + tl.minimum(m_start + BLOCK_M, q_len)  # causal: keys < last query pos + 1
     lo = 0
+    if USE_TREE:
+        tree_off = tl.load(tree_offsets_ptr + row)  # this request's (q_len, q_len) mask, or -1
+        tree_base = tree_mask_ptr + tl.maximum(tree_off, 0)
+        # keys from tree_first on are decided by the mask: the new keys, none without a mask
+        tree_first = tl.where(tree_off >= 0, prefix, seq_len)
+        hi = tl.where(tree_off >= 0, seq_len, hi)  # an ancestor may come after its node
     if USE_WINDOW:
         lo = tl.maximum(prefix + m_start - window + 1, 0) // BLOCK_N * BLOCK_N
 
@@ -69,6 +81,11 @@ def _prefill_kernel(
         visible = n_mask[None, :] & (offs_n[None, :] <= q_pos[:, None])
         if USE_WINDOW:
             visible = visible & (offs_n[None, :] > q_pos[:, None] - window)
+        if USE_TREE:
+            new_key = (offs_n >= tree_first) & n_mask  # (BLOCK_N,) keys the mask decides
+            bit = tl.load(tree_base + offs_m[:, None] * q_len + (offs_n - prefix)[None, :],
+                          mask=m_mask[:, None] & new_key[None, :], other=0)
+            visible = tl.where(new_key[None, :], bit != 0, visible)
         s = tl.where(visible, s, float("-inf"))
         v = tl.load(v_cache_ptr + kv_off[:, None] + offs_d[None, :],
                     mask=n_mask[:, None] & d_mask[None, :], other=0.0)  # (BLOCK_N, BLOCK_D)
@@ -82,26 +99,37 @@ def _prefill_kernel(
 def paged_prefill_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                             out: torch.Tensor, rows: torch.Tensor, query_start_loc: torch.Tensor,
                             seq_lens: torch.Tensor, block_tables: torch.Tensor, max_q_len: int,
-                            scale: float, sliding_window: int | None = None) -> None:
+                            scale: float, sliding_window: int | None = None,
+                            tree_mask: torch.Tensor | None = None,
+                            tree_offsets: torch.Tensor | None = None) -> None:
     """Attention for the requests listed in ``rows``, written into ``out`` (in place).
 
     q, out: (T, H, D) flat batch (last dim contiguous); key_cache, value_cache:
     (num_blocks, block_size, KVH, D); rows: (R,) request indices; query_start_loc: (N + 1,);
     seq_lens: (N,); block_tables: (N, max_blocks); max_q_len bounds the rows' query lengths.
+    tree_mask: (sum of q_len^2 over tree requests,) int8, each request's (q_len, q_len) mask
+    row-major; tree_offsets: (N,) int64, where request i's mask starts, -1 for none. Both or
+    neither; not with a sliding window.
     """
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads, block_size = key_cache.shape[2], key_cache.shape[1]
     assert q.stride(2) == 1 and out.stride(2) == 1 and key_cache.stride(3) == 1
     assert key_cache.stride() == value_cache.stride() and num_heads % num_kv_heads == 0
+    assert (tree_mask is None) == (tree_offsets is None)
+    assert tree_mask is None or sliding_window is None, "tree masks take no sliding window"
     if rows.numel() == 0 or max_q_len == 0:
         return
+    use_tree = tree_mask is not None
+    if not use_tree:  # unused pointers: any tensor of the device
+        tree_mask = tree_offsets = seq_lens
     block_m = 16 if max_q_len <= 16 else 64
     grid = (rows.numel(), num_heads, triton.cdiv(max_q_len, block_m))
     _prefill_kernel[grid](
         q, key_cache, value_cache, out, rows, query_start_loc, seq_lens, block_tables,
-        scale * math.log2(math.e), sliding_window or 0,
+        tree_mask, tree_offsets, scale * math.log2(math.e), sliding_window or 0,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_tables.stride(0),
         BLOCK_SIZE=block_size, GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim,
         BLOCK_D=max(16, next_pow2(head_dim)), BLOCK_M=block_m, BLOCK_N=64,
-        USE_WINDOW=sliding_window is not None, DOT_FP32=dot_in_fp32(q.dtype), num_warps=4)
+        USE_WINDOW=sliding_window is not None, USE_TREE=use_tree, DOT_FP32=dot_in_fp32(q.dtype),
+        num_warps=4)
