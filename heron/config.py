@@ -123,6 +123,78 @@ class ParallelConfig:
         return self.world_size // self.nnodes
 
 
+SPEC_METHODS = ("ngram", "draft", "eagle", "layer_skip")
+_SPEC_ALIASES = {"draft_model": "draft", "[ngram]": "ngram"}
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (``--speculative-config``, vLLM's keys).
+
+    A proposer drafts up to ``num_speculative_tokens`` tokens per decoding sequence after
+    each step; the next step verifies them with the target (greedy: exact match; sampling:
+    rejection sampling, lossless). Methods: ``ngram`` (prompt lookup: the tokens that
+    followed the latest earlier occurrence of the sequence's last ``prompt_lookup_max`` ..
+    ``prompt_lookup_min`` tokens), ``draft`` (a smaller ``model`` sharing the tokenizer),
+    ``eagle`` (a head trained by ``heron train-draft``, at ``model``), ``layer_skip`` (the
+    target's first ``num_layers`` layers, no training). Speculation is skipped for steps
+    that run ``disable_by_batch_size`` or more sequences (large batches are compute bound).
+    """
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 2
+    model: str | None = None  # draft model or EAGLE head directory
+    num_layers: int | None = None  # layer_skip: target layers the draft runs (default: 1/4)
+    disable_by_batch_size: int | None = None
+
+    def __post_init__(self) -> None:
+        method = _SPEC_ALIASES.get(self.method, self.method)
+        object.__setattr__(self, "method", method)
+        if method not in SPEC_METHODS:
+            raise ValueError(f"unknown speculative method {self.method!r}; choose one of "
+                             f"{', '.join(SPEC_METHODS)}")
+        if not 1 <= self.num_speculative_tokens <= 16:
+            raise ValueError("num_speculative_tokens must be in [1, 16], got "
+                             f"{self.num_speculative_tokens}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError("need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
+                             f"{self.prompt_lookup_min}, {self.prompt_lookup_max}")
+        if method in ("draft", "eagle") and not self.model:
+            raise ValueError(f"speculative method {method!r} needs \"model\" (a directory)")
+        if self.num_layers is not None and self.num_layers < 1:
+            raise ValueError(f"num_layers must be >= 1, got {self.num_layers}")
+        if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:
+            raise ValueError("disable_by_batch_size must be >= 1")
+
+    @classmethod
+    def from_dict(cls, spec: dict | str | None) -> SpeculativeConfig | None:
+        """From ``--speculative-config``'s JSON (or its dict); None stays None."""
+        if spec is None or isinstance(spec, SpeculativeConfig):
+            return spec
+        if isinstance(spec, str):
+            import json
+
+            try:
+                spec = json.loads(spec)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"--speculative-config is not valid JSON: {exc}") from None
+        if not isinstance(spec, dict):
+            raise ValueError("--speculative-config must be a JSON object")
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(spec) - known)
+        if unknown:
+            raise ValueError(f"unknown --speculative-config keys {unknown}; known: "
+                             f"{sorted(known)}")
+        return cls(**spec)
+
+    @property
+    def writes_draft_kv(self) -> bool:
+        """Model-based drafts write KV for the positions they draft (lookahead slots)."""
+        return self.method != "ngram"
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine needs to start: which model, how to run it, how to batch."""
@@ -142,9 +214,13 @@ class EngineConfig:
     # its own. None: "uni" for one rank, "mp" for more (see executor_backend)
     distributed_executor_backend: str | None = None
     parallel: ParallelConfig = ParallelConfig()
+    speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         parse_dtype(self.dtype)
+        if self.speculative is not None and self.parallel.world_size > 1:
+            raise ValueError("speculative decoding runs on one rank for now (tensor x "
+                             "pipeline parallel size 1)")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         if self.distributed_executor_backend not in (None, "uni", "mp"):

@@ -68,7 +68,8 @@ class EngineCore:
                                        config.cache.enable_prefix_caching,
                                        record_events=config.kv_events_endpoint is not None)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache, self.max_model_len,
-                                   micro_batches=self.executor.max_in_flight)
+                                   micro_batches=self.executor.max_in_flight,
+                                   speculative=config.speculative)
         # pipeline parallelism: steps submitted and not yet applied, oldest first, and the
         # outcomes collected ahead of their turn (while isolating a failed step)
         self._in_flight: collections.deque[SchedulerOutput] = collections.deque()
@@ -294,4 +295,6 @@ class EngineCore:
             "prefix_cache_queries": cache.stats.queries if cache else 0,
             "prefix_cache_hits": cache.stats.hits if cache else 0,
             "num_cached_blocks": len(cache) if cache else 0,
+            "spec_decode": (self.scheduler.spec_stats.as_dict()
+                            if self.config.speculative else None),
         }

@@ -68,6 +68,9 @@ class Request:
     # in a step that is still running (pipeline parallelism keeps several in flight): such a
     # request is not scheduled again, nor preempted, until that step's outcome is applied
     in_flight: bool = False
+    # speculative decoding: tokens the worker drafted after this sequence's last step, to be
+    # verified (as more tokens of the sequence) in its next one
+    spec_token_ids: list[int] = field(default_factory=list)
     first_delta_sent: bool = False  # the first delta carries prompt info and metrics
     final_delta_sent: bool = False  # the delta that carries its finish went out
 

@@ -11,9 +11,18 @@ front of the waiting queue.
 
 ``schedule()`` returns the step as plain data (``heron.worker.step.SchedulerOutput``: each
 sequence described once, then only what changed); ``update_from_output()`` is the one place a
-step's outcome is applied: progress, rollback of rejected speculative tokens (none yet), full
-blocks offered to the prefix cache, sampled tokens appended, token stops (EOS, stop token ids,
-max tokens, context length). It returns each progressed sequence's ``SequenceDelta``.
+step's outcome is applied: progress, rollback of rejected speculative tokens, full blocks
+offered to the prefix cache (never a rejected token), sampled tokens appended, token stops (EOS,
+stop token ids, max tokens, context length). It returns each progressed sequence's
+``SequenceDelta``.
+
+Speculative decoding adds no rule: a decoding sequence's drafts (``Request.spec_token_ids``,
+drafted by the worker after its last step) are more tokens for it to compute, so a step
+schedules ``1 + len(drafts)`` of them within the same token budget, alongside others'
+prefills and decodes. With model-based drafts every sequence that samples also gets KV room
+for ``num_speculative_tokens`` lookahead positions, where the worker's draft writes the KV
+of the tokens it drafts. The worker returns the accepted drafts plus one bonus token; the
+rejected ones are rolled back from ``num_computed_tokens`` before any block is cached.
 
 A request whose own bookkeeping raises (a lookup, an allocation, caching its blocks, its
 outcome) is finished with status ``FINISHED_ERROR`` and queued in ``take_failed()``; the step
@@ -38,14 +47,15 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Iterator
 
-from heron.config import SchedulerConfig
+from heron.config import SchedulerConfig, SpeculativeConfig
 from heron.engine.core_outputs import SequenceDelta
 from heron.engine.kv_cache import KVCacheManager
 from heron.engine.prefix_cache import CacheNode
 from heron.engine.request import Request, RequestStatus
 from heron.engine.sequence_deltas import sequence_delta
+from heron.engine.spec_stats import SpecDecodingStats
 from heron.sampling_params import params_to_dict
-from heron.worker.step import ModelRunnerOutput, NewRequest, SchedulerOutput
+from heron.worker.step import ModelRunnerOutput, NewRequest, SchedulerOutput, num_rejected
 
 logger = logging.getLogger(__name__)
 
@@ -56,11 +66,14 @@ LPM_WINDOW = 128  # longest-prefix-match ranks at most this many waiting request
 class ScheduledRequest:
     request: Request
     num_tokens: int  # tokens to compute this step, starting at request.num_computed_tokens
+    drafts: list[int] = field(default_factory=list)  # the last len(drafts) of those tokens
 
     @property
     def samples(self) -> bool:
         """True when this step reaches the end of the request's tokens, so it samples."""
-        return self.request.num_computed_tokens + self.num_tokens == self.request.num_tokens
+        request = self.request
+        return request.num_computed_tokens + self.num_tokens == \
+            request.num_tokens + len(self.drafts)
 
 
 @dataclass
@@ -82,8 +95,12 @@ class Scheduler:
     """Decides which requests run each step and how many tokens each computes."""
 
     def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager,
-                 max_model_len: int, micro_batches: int = 1) -> None:
+                 max_model_len: int, micro_batches: int = 1,
+                 speculative: SpeculativeConfig | None = None) -> None:
         self.config = config
+        self.speculative = speculative
+        self.spec_stats = SpecDecodingStats()
+        self._num_spec = 0  # tokens the worker drafts after this step (0: not speculating)
         self.kv_cache = kv_cache
         self.max_model_len = max_model_len
         # Pipeline parallelism keeps up to ``micro_batches`` steps in flight: each takes at
@@ -145,6 +162,7 @@ class Scheduler:
     # ---- the step ----------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         step = _Step()
+        self._num_spec = self._spec_tokens_this_step()
         budget = self.config.max_num_batched_tokens
         budget = self._schedule_running(step, budget)
         if not step.preempted:
@@ -159,11 +177,14 @@ class Scheduler:
         out = SchedulerOutput([s.request.request_id for s in step.scheduled],
                               [s.num_tokens for s in step.scheduled], next(self._step_ids),
                               preempted_req_ids=[r.request_id for r in step.preempted],
-                              finished_req_ids=self._finished_ids)
+                              finished_req_ids=self._finished_ids,
+                              num_spec_tokens=self._num_spec)
         self._finished_ids = []
         cached = out.cached
         for s in step.scheduled:
             request = s.request
+            if s.drafts:
+                out.spec_token_ids[request.request_id] = s.drafts
             if not request.worker_knows:
                 out.new_requests.append(_new_request(request))
             else:
@@ -185,21 +206,59 @@ class Scheduler:
         seats = -(-len(self.running) // self.micro_batches)  # this step's share
         while i < len(self.running) and budget > 0 and len(out.scheduled) < seats:
             request = self.running[i]
-            num_tokens = min(request.num_tokens - request.num_computed_tokens, budget)
-            if num_tokens <= 0 or request.in_flight:
+            if request.in_flight:
+                i += 1
+                continue
+            drafts = self._drafts_to_verify(request, budget)
+            num_tokens = min(request.num_tokens - request.num_computed_tokens + len(drafts),
+                             budget)
+            if num_tokens <= 0:
                 i += 1
                 continue
             try:
-                allocated = self._allocate_running(request, num_tokens, out)
+                allocated = self._allocate_running(
+                    request, num_tokens + self._lookahead(request, num_tokens), out)
             except Exception as exc:  # noqa: BLE001 - this request's bookkeeping broke
                 self.fail(request, exc)
                 continue  # it left self.running: index i is the next request now
             if not allocated or request.status != RequestStatus.RUNNING:
                 break  # preempted itself (nothing younger is left to serve), or must wait
-            out.scheduled.append(ScheduledRequest(request, num_tokens))
+            out.scheduled.append(ScheduledRequest(request, num_tokens, drafts))
             budget -= num_tokens
             i += 1
         return budget
+
+    # ---- speculative decoding ------------------------------------------------------------
+    def _spec_tokens_this_step(self) -> int:
+        """Drafts per sequence the worker proposes after this step: 0 without speculation,
+        or when the batch is large enough to be compute bound (``disable_by_batch_size``)."""
+        spec = self.speculative
+        if spec is None or self.micro_batches > 1:
+            return 0
+        if spec.disable_by_batch_size is not None and \
+                len(self.running) >= spec.disable_by_batch_size:
+            return 0
+        return spec.num_speculative_tokens
+
+    def _drafts_to_verify(self, request: Request, budget: int) -> list[int]:
+        """The drafts ``request`` verifies this step (taking them: they are used once): only
+        while decoding, and no more than the budget, max_tokens and the context leave room
+        for (each accepted draft and the bonus token is one more output token)."""
+        drafts, request.spec_token_ids = request.spec_token_ids, []
+        if not drafts or not self._num_spec or \
+                request.num_computed_tokens != request.num_tokens - 1:
+            return []
+        room = min(budget - 1, request.max_tokens - request.num_output_tokens - 1,
+                   self.max_model_len - request.num_tokens - 1)
+        return drafts[:max(0, room)]
+
+    def _lookahead(self, request: Request, num_tokens: int) -> int:
+        """KV slots past this step's tokens where a model-based draft writes the KV of the
+        tokens it drafts (bounded by the context)."""
+        if not self._num_spec or not self.speculative.writes_draft_kv:
+            return 0
+        end = request.num_computed_tokens + num_tokens
+        return max(0, min(self._num_spec, self.max_model_len - end))
 
     def _allocate_running(self, request: Request, num_tokens: int, out: _Step) -> bool:
         """Blocks for ``num_tokens`` more tokens, preempting the youngest (not in flight)
@@ -242,8 +301,11 @@ class Scheduler:
             return 0
         num_cached = len(hit) * self.kv_cache.block_size
         num_tokens = min(request.num_tokens - num_cached, budget)
-        if self._below_watermark(request, num_tokens, hit) or \
-                self.kv_cache.allocate(request, num_tokens, hit) is None:
+        # the lookahead slots of a draft (if this chunk ends the prompt, so it samples)
+        lookahead = self._lookahead(request, num_tokens) if \
+            num_cached + num_tokens == request.num_tokens else 0
+        if self._below_watermark(request, num_tokens + lookahead, hit) or \
+                self.kv_cache.allocate(request, num_tokens + lookahead, hit) is None:
             return None
         self._admit(request, num_cached)
         return num_tokens
@@ -314,6 +376,7 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         request.num_preemptions += 1
         request.num_blocks_sent = 0  # it comes back with a whole new table
+        request.spec_token_ids = []  # drafted against KV that is gone
         self.waiting.appendleft(request)
         self.stats.num_preemptions += 1
         out.preempted.append(request)
@@ -325,6 +388,7 @@ class Scheduler:
         that gained tokens or finished. ``result`` may cover only part of ``out`` (the rest
         failed and was failed already)."""
         num_tokens = dict(zip(out.req_ids, out.num_scheduled_tokens))
+        drafts = out.spec_token_ids
         for req_id in out.req_ids:
             request = self.requests.get(req_id)
             if request is not None:
@@ -336,7 +400,8 @@ class Scheduler:
             if request is None:
                 continue  # aborted or failed meanwhile
             try:
-                delta = self._apply_outcome(request, num_tokens[req_id], result, i, now)
+                delta = self._apply_outcome(request, num_tokens[req_id],
+                                            drafts.get(req_id, ()), result, i, now)
             except Exception as exc:  # noqa: BLE001 - this request's bookkeeping broke
                 self.fail(request, exc)
                 continue
@@ -344,18 +409,20 @@ class Scheduler:
                 deltas.append(delta)
         return deltas
 
-    def _apply_outcome(self, request: Request, num_scheduled: int, result: ModelRunnerOutput,
-                       i: int, now: float) -> SequenceDelta | None:
+    def _apply_outcome(self, request: Request, num_scheduled: int, drafts: list[int],
+                       result: ModelRunnerOutput, i: int, now: float) -> SequenceDelta | None:
         if request.num_output_tokens == 0 or \
                 request.num_computed_tokens < request.num_tokens - 1:
             self.stats.num_prefill_tokens += num_scheduled  # prompt, or recompute
         tokens = result.sampled_token_ids[i]
-        request.num_computed_tokens += num_scheduled - _num_rejected(num_scheduled, tokens)
+        start = request.num_computed_tokens
+        request.num_computed_tokens += num_scheduled - num_rejected(drafts, tokens)
         self.kv_cache.cache_full_blocks(request)  # computed tokens only: never a rejected one
         prompt_lps = result.prompt_logprobs.get(request.request_id)
         if prompt_lps:
-            first = request.num_computed_tokens - num_scheduled + 1
-            request.prompt_logprobs[first:first + len(prompt_lps)] = prompt_lps
+            request.prompt_logprobs[start + 1:start + 1 + len(prompt_lps)] = prompt_lps
+        if drafts:
+            self.spec_stats.observe(len(drafts), max(0, len(tokens) - 1))
         if not tokens:
             return None  # mid-prefill chunk
         logprobs = result.logprobs[i]
@@ -365,6 +432,8 @@ class Scheduler:
             accepted += 1
             if request.is_finished:
                 break
+        if not request.is_finished:
+            request.spec_token_ids = result.spec_token_ids.get(request.request_id, [])
         return sequence_delta(request, tokens[:accepted],
                               logprobs[:accepted] if logprobs else None)
 
@@ -388,12 +457,6 @@ class Scheduler:
                 request.num_tokens >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
-
-
-def _num_rejected(num_scheduled: int, sampled: list[int]) -> int:
-    """Speculative tokens the worker rejected (computed, but not part of the sequence): none
-    until speculative decoding schedules them."""
-    return 0
 
 
 def _new_request(request: Request) -> NewRequest:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Iterable, Iterator, Sequence
 
-from heron.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
+from heron.config import (CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig,
+                          SpeculativeConfig)
 from heron.engine.core_outputs import RequestOutputKind
 from heron.engine.llm_engine import LLMEngine
 from heron.outputs import RequestOutput
@@ -41,7 +42,8 @@ class LLM:
                  scheduling_policy: str = "fcfs", load_format: str = "auto",
                  enforce_eager: bool = False, num_threads: int | None = None,
                  distributed_executor_backend: str | None = None,
-                 tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1) -> None:
+                 tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
+                 speculative_config: dict | str | None = None) -> None:
         self.engine = LLMEngine(EngineConfig(
             model=model, dtype=dtype, max_model_len=max_model_len,
             attention_backend=attention_backend, seed=seed, load_format=load_format,
@@ -49,6 +51,7 @@ class LLM:
             distributed_executor_backend=distributed_executor_backend,
             parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size,
                                     pipeline_parallel_size=pipeline_parallel_size),
+            speculative=SpeculativeConfig.from_dict(speculative_config),
             cache=CacheConfig(block_size=block_size, num_blocks=num_kv_blocks,
                               max_memory_gb=kv_cache_memory_gb,
                               enable_prefix_caching=enable_prefix_caching),

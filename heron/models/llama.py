@@ -102,16 +102,19 @@ class DecoderModel(nn.Module):
             self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                intermediate: IntermediateTensors | None = None):
+                intermediate: IntermediateTensors | None = None,
+                num_layers: int | None = None):
         """The first stage starts from ``input_ids``, the others from the previous stage's
         ``intermediate``; the last stage returns normed hidden states (T, hidden), the
-        others ``IntermediateTensors`` for the next stage."""
+        others ``IntermediateTensors`` for the next stage. ``num_layers``: run only the
+        first layers, then the final norm (a layer-skip draft; one stage only)."""
         if self.is_first_stage:
             hidden, residual = self.embed_tokens(input_ids), None
         else:
             hidden, residual = intermediate.hidden, intermediate.residual
         rope = self.rotary_emb(positions, hidden.dtype)
-        for i in self.layer_range:
+        layers = self.layer_range if num_layers is None else self.layer_range[:num_layers]
+        for i in layers:
             hidden, residual = self.layers[i](hidden, residual, rope)
         if not self.is_last_stage:
             return IntermediateTensors(hidden, residual)

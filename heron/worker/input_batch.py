@@ -146,35 +146,61 @@ class InputBatch:
             self.num_tokens[row] = end + len(tokens)
             state.output_token_ids.extend(tokens)
 
+    def stage_drafts(self, spec_token_ids: dict[str, list[int]]) -> None:
+        """Write each sequence's draft tokens right after its tokens, as scratch (its
+        ``num_tokens`` does not move), so the step gathers them like any other input."""
+        for req_id, drafts in spec_token_ids.items():
+            row = self.states[req_id].row
+            end = int(self.num_tokens[row])
+            self.token_ids[row, end:end + len(drafts)] = drafts
+
     # ---- the flat batch of one step -------------------------------------------------------
-    def host_batch(self, req_ids: list[str], num_tokens: list[int]) -> HostBatch:
-        """Sequence ``i`` computes ``num_tokens[i]`` tokens from its ``num_computed_tokens``."""
+    def host_batch(self, req_ids: list[str], num_tokens: list[int],
+                   num_drafts: list[int] | None = None) -> HostBatch:
+        """Sequence ``i`` computes ``num_tokens[i]`` tokens from its ``num_computed_tokens``,
+        the last ``num_drafts[i]`` of them its staged draft tokens. A sequence that reaches
+        its end samples: from its last row, or from each of its last ``1 + num_drafts[i]``
+        rows when it verifies drafts (``sample_rows`` lists them in batch order)."""
         states = [self.states[r] for r in req_ids]
         rows = np.array([s.row for s in states], dtype=np.int64)  # (N,)
         query_lens = np.array(num_tokens, dtype=np.int64)  # (N,)
         starts = np.array([s.num_computed_tokens for s in states], dtype=np.int64)  # (N,)
+        drafts = np.array(num_drafts or [0] * len(states), dtype=np.int64)  # (N,)
+        end = self.num_tokens[rows] + drafts  # (N,) the tokens each sequence may compute
+        if np.any(starts + query_lens > end):
+            raise ValueError("a sequence is scheduled past the tokens the worker holds")
+        host = self.batch_at(rows, starts, query_lens)
+        host.sample_rows = [row for i, n in enumerate(drafts.tolist())
+                            if host.seq_lens_cpu[i] == end[i]
+                            for row in range(host.query_start_loc_cpu[i + 1] - 1 - n,
+                                             host.query_start_loc_cpu[i + 1])]
+        host.prompt_lp_rows = _prompt_logprob_rows(states, starts, query_lens,
+                                                   host.query_start_loc_cpu)
+        return host
+
+    def batch_at(self, rows: np.ndarray, starts: np.ndarray, query_lens: np.ndarray,
+                 token_offset: int = 0) -> HostBatch:
+        """The flat batch where row ``rows[i]`` computes positions ``starts[i]`` ..
+        ``starts[i] + query_lens[i] - 1``, reading the token ``token_offset`` positions
+        later as each position's input (1: an EAGLE head's shifted inputs); no sampling
+        rows. Also how a draft builds its catch-up batch."""
         seq_lens = starts + query_lens
-        query_start_loc = np.zeros(len(states) + 1, dtype=np.int64)  # (N + 1,)
+        query_start_loc = np.zeros(len(rows) + 1, dtype=np.int64)  # (N + 1,)
         np.cumsum(query_lens, out=query_start_loc[1:])
         # token t of sequence i sits at position starts[i] + (t - query_start_loc[i])
-        req_of_token = np.repeat(np.arange(len(states)), query_lens)  # (T,)
+        req_of_token = np.repeat(np.arange(len(rows)), query_lens)  # (T,)
         positions = np.arange(query_start_loc[-1]) + np.repeat(starts - query_start_loc[:-1],
                                                                query_lens)
-        if np.any(seq_lens > self.num_tokens[rows]):
-            raise ValueError("a sequence is scheduled past the tokens the worker holds")
-        input_ids = self.token_ids[rows[req_of_token], positions]  # (T,)
+        input_ids = self.token_ids[rows[req_of_token], positions + token_offset]  # (T,)
         max_blocks = int(self.num_blocks[rows].max())
         block_tables = self.block_table[rows, :max_blocks]  # (N, max_blocks), padded with 0
         slots = (block_tables[req_of_token, positions // self.block_size] * self.block_size
                  + positions % self.block_size)
-        sample_rows = [int(query_start_loc[i + 1]) - 1 for i, s in enumerate(states)
-                       if seq_lens[i] == self.num_tokens[s.row]]
         return HostBatch(
             torch.from_numpy(input_ids), torch.from_numpy(positions), torch.from_numpy(slots),
             torch.from_numpy(seq_lens), torch.from_numpy(query_start_loc),
             torch.from_numpy(np.ascontiguousarray(block_tables)), query_start_loc.tolist(),
-            query_lens.tolist(), seq_lens.tolist(), sample_rows,
-            _prompt_logprob_rows(states, starts, query_lens, query_start_loc))
+            query_lens.tolist(), seq_lens.tolist(), [], {})
 
 
 def _prompt_logprob_rows(states, starts, query_lens, query_start_loc) -> dict[int, list[int]]:

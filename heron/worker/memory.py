@@ -44,10 +44,12 @@ def available_bytes(device: torch.device) -> int:
 
 
 def num_kv_blocks(layout: KVLayout, cache: CacheConfig, dtype: torch.dtype,
-                  device: torch.device, max_useful_tokens: int) -> int:
+                  device: torch.device, max_useful_tokens: int,
+                  draft: KVLayout | None = None) -> int:
     """Blocks that fit in ``memory_fraction`` of available memory, under the caps.
 
     ``max_useful_tokens`` (max_num_seqs x max_model_len) bounds the pool: more is never used.
+    A draft model's own cache (``draft``) has a block for every pool block.
     """
     if cache.num_blocks is not None:
         return cache.num_blocks
@@ -58,6 +60,8 @@ def num_kv_blocks(layout: KVLayout, cache: CacheConfig, dtype: torch.dtype,
     if cap_gb is not None:
         budget = min(budget, cap_gb * 1024**3)
     per_block = bytes_per_block(layout, cache.block_size, dtype)
+    if draft is not None:
+        per_block += bytes_per_block(draft, cache.block_size, dtype)
     useful = -(-max_useful_tokens // cache.block_size)
     blocks = min(int(budget // per_block), useful)
     if blocks < 1:

@@ -1,7 +1,10 @@
 """Runs one step message: batch state update -> flat batch tensors + attention metadata ->
-forward -> sampling -> ``ModelRunnerOutput``."""
+forward -> sampling (or verifying drafts) -> drafting for the next step ->
+``ModelRunnerOutput``."""
 
 from __future__ import annotations
+
+import logging
 
 import numpy as np
 import torch
@@ -14,9 +17,13 @@ from heron.distributed.pipeline import IntermediateTensors
 from heron.layers.rotary import RotaryEmbedding
 from heron.worker.batch import HostBatch, to_device
 from heron.worker.cuda_graphs import DecodeGraphRunner
+from heron.worker.drafter import StepView
 from heron.worker.input_batch import InputBatch, SequenceState
+from heron.worker.rejection_sampler import verify
 from heron.worker.sampler import Sampler, top_logprobs
-from heron.worker.step import ModelRunnerOutput, SchedulerOutput
+from heron.worker.step import ModelRunnerOutput, SchedulerOutput, num_rejected
+
+logger = logging.getLogger(__name__)
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -57,8 +64,8 @@ class ModelRunner:
         # head_dim) with this rank's KV heads; None for other stages' layers. Zeroed so
         # padded, masked-out keys/values are finite (0 * NaN would poison the softmax sum).
         layers, kv_heads, head_dim = model.kv_cache_layout()
-        shape = (2, num_blocks, block_size, kv_heads, head_dim)
-        self.kv_caches = [_zeros(shape, dtype, device) if i in layers else None
+        self.num_blocks = num_blocks
+        self.kv_caches = [self.make_cache(kv_heads, head_dim) if i in layers else None
                           for i in range(arch.num_layers)]
         # No position reaches the KV capacity; rotary tables are sized once for the context.
         self.max_context = min(num_blocks * block_size,
@@ -68,8 +75,14 @@ class ModelRunner:
         self._reserve_rotary(self.max_context)
         self.input_batch = InputBatch(max_num_seqs, self.max_context, block_size)
         self._fault_token = fault_injection_token()
+        self.proposer = None  # drafts tokens after each step (speculative decoding)
         if device.type == "cuda" and self.backend.name == "triton" and not enforce_eager:
             self.enable_decode_graphs(max_num_seqs)
+
+    def make_cache(self, num_kv_heads: int, head_dim: int) -> torch.Tensor:
+        """One layer's zeroed KV cache over the pool: (2, num_blocks, block_size, KVH, D)."""
+        shape = (2, self.num_blocks, self.block_size, num_kv_heads, head_dim)
+        return _zeros(shape, self.dtype, self.device)
 
     def enable_decode_graphs(self, max_batch: int, graph_factory=None) -> None:
         """From now on, decode steps of up to ``max_batch`` requests replay graphs, captured
@@ -109,27 +122,50 @@ class ModelRunner:
         self.input_batch.update(sched)
         if sched.is_empty:
             return ModelRunnerOutput([], [], []) if self._is_driver else None
-        batch = self.input_batch.host_batch(sched.req_ids, sched.num_scheduled_tokens)
+        self.input_batch.stage_drafts(sched.spec_token_ids)
+        drafts = [sched.spec_token_ids.get(r, []) for r in sched.req_ids]
+        batch = self.input_batch.host_batch(sched.req_ids, sched.num_scheduled_tokens,
+                                            [len(d) for d in drafts])
         states = [self.input_batch.states[r] for r in sched.req_ids]
-        samplers = [states[i] for i, n in enumerate(sched.num_scheduled_tokens)
-                    if states[i].num_computed_tokens + n == states[i].num_tokens]
+        starts = [s.num_computed_tokens for s in states]
+        sampling = [i for i, n in enumerate(sched.num_scheduled_tokens)
+                    if starts[i] + n == states[i].num_tokens + len(drafts[i])]
+        samplers = [states[i] for i in sampling]
         self._inject_fault(samplers)
         hidden = self._run_stage(batch)
         if not self._pp.is_last:  # hidden went to the next stage; tokens come by message
             self.input_batch.advance(sched.req_ids, sched.num_scheduled_tokens,
                                      [[] for _ in sched.req_ids])
             return None
-        sampled, logprobs = self._sample(hidden, batch, samplers)
+        sampled, logprobs = self._sample(hidden, batch, samplers,
+                                         [drafts[i] for i in sampling])
         prompt_lps = {states[i].req_id: self._prompt_logprobs(states[i], hidden, rows)
                       for i, rows in batch.prompt_lp_rows.items()}
         tokens = [sampled.get(r, []) for r in sched.req_ids]
         # with pipeline parallelism every stage learns the tokens from the core's next steps
         own = tokens if self._pp.world_size == 1 else [[] for _ in tokens]
-        self.input_batch.advance(sched.req_ids, sched.num_scheduled_tokens, own)
+        computed = [n - num_rejected(d, t) for n, d, t in
+                    zip(sched.num_scheduled_tokens, drafts, tokens)]
+        self.input_batch.advance(sched.req_ids, computed, own)
+        spec = self._propose(StepView(states, starts, sampling, batch, hidden,
+                                      sched.num_spec_tokens))
         if not self._is_driver:
             return None
         return ModelRunnerOutput(list(sched.req_ids), tokens,
-                                 [logprobs.get(r) for r in sched.req_ids], prompt_lps)
+                                 [logprobs.get(r) for r in sched.req_ids], prompt_lps, spec)
+
+    def _propose(self, view: StepView) -> dict[str, list[int]]:
+        """Drafts for the next step. Drafting only ever speeds decoding up: if it fails, the
+        sequences decode without drafts (the failure is logged) and nothing is lost."""
+        if self.proposer is None or not (view.num_spec or self.proposer.catches_up):
+            return {}
+        if not view.num_spec:
+            view.proposing = []  # speculation is off this step: only keep the KV current
+        try:
+            return self.proposer.propose(view)
+        except Exception:  # noqa: BLE001
+            logger.exception("drafting failed; these sequences decode without drafts")
+            return {}
 
     def _run_stage(self, host: HostBatch) -> torch.Tensor:
         """This stage's forward: from the token ids (first stage) or the previous stage's
@@ -149,16 +185,24 @@ class ModelRunner:
             pp.send(out.residual, pp.rank_in_group + 1)
         return out
 
-    def _sample(self, hidden: torch.Tensor, batch: HostBatch, samplers: list[SequenceState]
-                ) -> tuple[dict[str, list[int]], dict[str, list]]:
+    def _sample(self, hidden: torch.Tensor, batch: HostBatch, samplers: list[SequenceState],
+                drafts: list[list[int]]) -> tuple[dict[str, list[int]], dict[str, list]]:
         """Tokens (and logprobs) of the sampling sequences. Every TP rank computes its slice
         of the logits; the driver samples and, when the TP ranks keep tokens themselves
-        (no pipeline), broadcasts the tokens to them."""
+        (no pipeline), broadcasts the tokens to them. Sequences with drafts verify them:
+        their tokens are the accepted drafts plus one (one rank only)."""
         sampled: dict[str, list[int]] = {}
         logprobs: dict[str, list] = {}
         if not samplers:
             return sampled, logprobs
         logits = self.model.compute_logits(_rows(hidden, batch.sample_rows))
+        if any(drafts):
+            out = verify(logits, samplers, drafts, self.sampler.generator)
+            for state, tokens, lps in zip(samplers, out.token_ids, out.logprobs):
+                sampled[state.req_id] = tokens
+                if lps is not None:
+                    logprobs[state.req_id] = lps
+            return sampled, logprobs
         token_ids = None
         if logits is not None:
             out = self.sampler(logits, samplers)

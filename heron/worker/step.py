@@ -60,8 +60,11 @@ class SchedulerOutput(msgspec.Struct, tag=True):
     cached: CachedRequests = msgspec.field(default_factory=CachedRequests)
     preempted_req_ids: list[str] = []  # row and blocks gone; tokens kept for resumption
     finished_req_ids: list[str] = []  # gone for good (finished, aborted, failed)
-    # speculative tokens proposed per request (scheduled after its last token); none yet
+    # speculative decoding: draft tokens to verify this step, per request (scheduled after
+    # its last token: num_scheduled_tokens = 1 + len(drafts)); and how many tokens the worker
+    # drafts for each sequence that samples in this step (0: speculation is off this step)
     spec_token_ids: dict[str, list[int]] = {}
+    num_spec_tokens: int = 0
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -74,14 +77,18 @@ class SchedulerOutput(msgspec.Struct, tag=True):
     def only(self, indices: list[int]) -> SchedulerOutput:
         """The same step restricted to some of its requests and carrying no state changes
         (already applied): how fault isolation re-runs parts of a failed step."""
-        return SchedulerOutput([self.req_ids[i] for i in indices],
-                               [self.num_scheduled_tokens[i] for i in indices], self.step_id)
+        req_ids = [self.req_ids[i] for i in indices]
+        return SchedulerOutput(req_ids, [self.num_scheduled_tokens[i] for i in indices],
+                               self.step_id, num_spec_tokens=self.num_spec_tokens,
+                               spec_token_ids={r: self.spec_token_ids[r] for r in req_ids
+                                               if r in self.spec_token_ids})
 
 
 class ModelRunnerOutput(msgspec.Struct, tag=True):
     """Per scheduled request, in ``SchedulerOutput.req_ids`` order: the tokens sampled this
-    step (empty mid-prefill; one today; accepted speculative tokens plus one later) and, if
-    asked for, one logprobs entry per sampled token."""
+    step (empty mid-prefill; one; or the accepted draft tokens plus the bonus token) and, if
+    asked for, one logprobs entry per sampled token; then the tokens drafted for the next
+    step, per sequence that sampled (speculative decoding)."""
 
     req_ids: list[str]
     sampled_token_ids: list[list[int]]
@@ -89,15 +96,17 @@ class ModelRunnerOutput(msgspec.Struct, tag=True):
     # prompt logprobs computed this step: req id -> entries for positions
     # [first, first + len) where first = num_computed_tokens + 1 before the step
     prompt_logprobs: dict[str, list[Logprobs]] = {}
+    spec_token_ids: dict[str, list[int]] = {}
 
     @classmethod
     def merge(cls, parts: list[ModelRunnerOutput]) -> ModelRunnerOutput:
-        merged = cls([], [], [], {})
+        merged = cls([], [], [], {}, {})
         for part in parts:
             merged.req_ids += part.req_ids
             merged.sampled_token_ids += part.sampled_token_ids
             merged.logprobs += part.logprobs
             merged.prompt_logprobs.update(part.prompt_logprobs)
+            merged.spec_token_ids.update(part.spec_token_ids)
         return merged
 
 
@@ -110,3 +119,11 @@ class WorkerInfo(msgspec.Struct, tag=True):
     device: str
     rank: int = 0
     bytes_read: int = 0  # checkpoint bytes this rank read (its shards, when sharded)
+
+
+def num_rejected(drafts: list[int], sampled: list[int]) -> int:
+    """Draft tokens a step rejected (their KV was computed, but they are not part of the
+    sequence): the worker returns the accepted drafts plus one token of its own."""
+    if not drafts:
+        return 0
+    return len(drafts) + 1 - len(sampled) if sampled else len(drafts)

@@ -19,6 +19,7 @@ from heron.models import ModelArchConfig
 from heron.distributed import get_pp_group, get_tp_group, init_parallel
 from heron.worker.memory import KVLayout, num_kv_blocks
 from heron.worker.model_runner import ModelRunner
+from heron.worker.proposers import draft_kv_layout, load_draft, make_proposer
 from heron.worker.step import ModelRunnerOutput, SchedulerOutput, WorkerInfo
 
 logger = logging.getLogger(__name__)
@@ -58,12 +59,15 @@ class Worker:
         materialize_weights(model, source, config.load_format, dtype, config.seed)
         optimize_layout(model, self.device)
         self.bytes_read = source.read_counter.bytes_read
+        spec = config.speculative
+        draft = load_draft(spec, model, arch, dtype, self.device) if spec else None
         layers, kv_heads, head_dim = model.kv_cache_layout()
         wanted = config.max_model_len or arch.max_position_embeddings
         sched = config.scheduler
         blocks = _agree_min(num_kv_blocks(KVLayout(len(layers), kv_heads, head_dim),
                                           config.cache, dtype, self.device,
-                                          sched.max_num_seqs * wanted), self.device)
+                                          sched.max_num_seqs * wanted,
+                                          draft_kv_layout(draft)), self.device)
         self.max_model_len = fit_max_model_len(wanted, config.max_model_len,
                                                blocks * config.cache.block_size)
         self.runner = ModelRunner(model, blocks, config.cache.block_size, dtype, self.device,
@@ -71,6 +75,8 @@ class Worker:
                                   enforce_eager=config.enforce_eager or par.world_size > 1,
                                   max_num_seqs=sched.max_num_seqs,
                                   max_model_len=self.max_model_len)
+        if spec:
+            self.runner.proposer = make_proposer(spec, draft, self.runner)
         self.num_kv_blocks = blocks
         logger.info("heron worker %d/%d ready (tp rank %d, pp stage %d, layers %d-%d): %d KV "
                     "blocks x %d tokens on %s in %.1fs", rank, par.world_size,
