@@ -35,6 +35,8 @@ def add_engine_args(p) -> None:
                    help="heron's tensor-parallel ranks")
     g.add_argument("-pp", "--pipeline-parallel-size", type=int, default=1,
                    help="heron's pipeline stages")
+    g.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help="heron's speculative decoding (as `heron serve --speculative-config`)")
 
 
 def resolve_dtype(dtype: str | None) -> str:
@@ -53,7 +55,8 @@ def make_llm(args, **overrides):
               "max_num_batched_tokens": args.max_num_batched_tokens,
               "max_num_seqs": args.max_num_seqs,
               "tensor_parallel_size": args.tensor_parallel_size,
-              "pipeline_parallel_size": args.pipeline_parallel_size}
+              "pipeline_parallel_size": args.pipeline_parallel_size,
+              "speculative_config": getattr(args, "speculative_config", None)}
     if args.no_prefix_caching:
         kwargs["enable_prefix_caching"] = False
     if args.enforce_eager:

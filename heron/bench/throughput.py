@@ -91,8 +91,10 @@ def run(args) -> dict:
     results, outputs = {}, {}
     heron.generate(warmup)
     before = parallel_stats.snapshot(heron.engine)
+    spec_before = heron.engine.stats()["spec_decode"]
     results["heron"], outputs["heron"] = run_engine(heron, samples, [])  # warmed up above
     parallel = _parallel_report(heron, before, results["heron"]["elapsed_s"])
+    spec = spec_decode_report(spec_before, heron.engine.stats()["spec_decode"])
     budget = {"kv_tokens": heron.kv_tokens, "step_tokens": heron.step_tokens,
               "max_model_len": heron.max_model_len,
               "max_num_seqs": heron.engine.config.scheduler.max_num_seqs}
@@ -108,6 +110,11 @@ def run(args) -> dict:
             extra = _agreement(outputs["heron"], outputs[peer.name])
         ratios = {k: results["heron"][k] / results[peer.name][k] for k in RATE_KEYS}
     print_table(results, ratios)
+    if spec:
+        print(f"speculative decoding: acceptance rate {spec['acceptance_rate']:.1%}, mean "
+              f"acceptance length {spec['mean_acceptance_length']:.2f}, accepted per "
+              f"position {spec['accepted_per_pos_rate']}")
+        extra["spec_decode"] = spec
     if parallel:
         print(parallel_stats.format_report(parallel))
         extra["parallel"] = parallel
@@ -115,6 +122,21 @@ def run(args) -> dict:
               "results": results, "ratios": ratios, **extra}
     emit(record, args.json_out)
     return record
+
+
+def spec_decode_report(before: dict | None, after: dict | None) -> dict | None:
+    """Acceptance over the timed run (engine counters after minus before)."""
+    if not after:
+        return None
+    drafts = after["num_drafts"] - before["num_drafts"]
+    tokens = after["num_draft_tokens"] - before["num_draft_tokens"]
+    accepted = after["num_accepted_tokens"] - before["num_accepted_tokens"]
+    old = before["accepted_per_pos"]
+    per_pos = [n - (old[i] if i < len(old) else 0) for i, n in enumerate(after["accepted_per_pos"])]
+    return {"num_drafts": drafts, "num_draft_tokens": tokens, "num_accepted_tokens": accepted,
+            "acceptance_rate": accepted / tokens if tokens else 0.0,
+            "mean_acceptance_length": 1 + accepted / drafts if drafts else 0.0,
+            "accepted_per_pos_rate": [round(n / drafts, 3) if drafts else 0.0 for n in per_pos]}
 
 
 def _parallel_report(heron, before, elapsed_s: float) -> dict | None:
@@ -132,7 +154,8 @@ def _config(args, num: int, dtype: str) -> dict:
     keys = ("model", "load_format", "workload", "prefix_len",
             "num_prefixes", "dataset", "seed", "max_num_batched_tokens", "max_num_seqs",
             "max_model_len", "threads", "peer", "no_prefix_caching", "attention_backend",
-            "enforce_eager", "tensor_parallel_size", "pipeline_parallel_size")
+            "enforce_eager", "tensor_parallel_size", "pipeline_parallel_size",
+            "speculative_config")
     return {k: getattr(args, k, None) for k in keys} | {
         "num_prompts": num, "dtype": dtype,
         "input_len": args.input_len, "output_len": args.output_len or args._default_output}

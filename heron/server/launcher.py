@@ -12,6 +12,7 @@ import uvicorn
 from heron.config import EngineConfig
 from heron.transport.async_client import AsyncEngineClient
 from heron.server.app import ServerSettings, build_app
+from heron.server.metrics import spec_decode_summary
 
 logger = logging.getLogger("heron.server")
 
@@ -58,6 +59,12 @@ async def log_engine_stats(client, interval: float = STATS_INTERVAL_S) -> None:
                         "preemptions %d", prompt / interval, gen / interval,
                         now["num_running"], now["num_waiting"], 100 * now["kv_cache_usage"],
                         100 * hits / queries if queries else 0.0, now["num_preemptions"])
+            spec = spec_decode_summary(now, last)
+            if spec is not None:
+                logger.info("speculative decoding: acceptance rate %.1f%%, mean acceptance "
+                            "length %.2f, accepted per position %s, drafts %d",
+                            100 * spec["acceptance_rate"], spec["mean_acceptance_length"],
+                            spec["accepted_per_pos_rate"], spec["num_drafts"])
         last = now
 
 

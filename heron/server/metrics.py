@@ -75,6 +75,15 @@ class ServerMetrics:
         self.prefill_computed = Counter("heron:prefill_tokens_computed",
                                         "Prompt (and recomputed) tokens actually computed.",
                                         registry=reg)
+        self.spec_drafts = Counter("heron:spec_decode_num_drafts",
+                                   "Sequence-steps that verified draft tokens.", registry=reg)
+        self.spec_draft_tokens = Counter("heron:spec_decode_num_draft_tokens",
+                                         "Draft tokens verified.", registry=reg)
+        self.spec_accepted = Counter("heron:spec_decode_num_accepted_tokens",
+                                     "Draft tokens accepted.", registry=reg)
+        self.spec_accepted_per_pos = Counter("heron:spec_decode_num_accepted_tokens_per_pos",
+                                             "Draft tokens accepted, by position in the draft.",
+                                             ["position"], registry=reg)
         self.success = Counter("heron:request_success", "Finished requests.",
                                ["finished_reason"], registry=reg)
         self.rejected = Counter("heron:request_rejected", "Requests refused before running.",
@@ -136,8 +145,14 @@ class ServerMetrics:
         for key, counter in (("num_preemptions", self.preemptions),
                              ("prefix_cache_queries_total", self.prefix_queries),
                              ("prefix_cache_hits_total", self.prefix_hits),
-                             ("num_prefill_tokens_total", self.prefill_computed)):
+                             ("num_prefill_tokens_total", self.prefill_computed),
+                             ("spec_decode_num_drafts_total", self.spec_drafts),
+                             ("spec_decode_num_draft_tokens_total", self.spec_draft_tokens),
+                             ("spec_decode_num_accepted_tokens_total", self.spec_accepted)):
             self._advance(key, counter, stats.get(key))
+        for pos, total in enumerate(stats.get("spec_decode_accepted_per_pos_total") or ()):
+            self._advance(f"spec_decode_accepted_pos_{pos}",
+                          self.spec_accepted_per_pos.labels(position=str(pos)), total)
         queries = stats.get("prefix_cache_queries_total")
         if queries:
             self.prefix_hit_rate.set(stats.get("prefix_cache_hits_total", 0) / queries)
@@ -186,6 +201,25 @@ class ServerMetrics:
         self._update_cost()
         encoder, content_type = choose_encoder(accept or "")
         return encoder(self.registry), content_type
+
+
+def spec_decode_summary(now: dict, last: dict | None = None) -> dict | None:
+    """Acceptance between two stats snapshots (since the start without ``last``); None when
+    no draft was verified in between."""
+    def delta(key):
+        return now[key] - (last[key] if last else 0)
+
+    drafts = delta("spec_decode_num_drafts_total")
+    tokens = delta("spec_decode_num_draft_tokens_total")
+    if not drafts or not tokens:
+        return None
+    accepted = delta("spec_decode_num_accepted_tokens_total")
+    before = (last or {}).get("spec_decode_accepted_per_pos_total") or []
+    per_pos = [n - (before[i] if i < len(before) else 0)
+               for i, n in enumerate(now["spec_decode_accepted_per_pos_total"])]
+    return {"num_drafts": drafts, "acceptance_rate": accepted / tokens,
+            "mean_acceptance_length": 1 + accepted / drafts,
+            "accepted_per_pos_rate": [round(n / drafts, 3) for n in per_pos]}
 
 
 def cost_per_million_tokens(cost_per_gpu_hour: float, tokens_per_second: float) -> float:

@@ -117,12 +117,21 @@ class CoreServer:
             prefix_cache_queries_total=s["prefix_cache_queries"],
             prefix_cache_hits_total=s["prefix_cache_hits"],
             num_cached_blocks=s["num_cached_blocks"],
-            num_prefill_tokens_total=s["num_prefill_tokens"])
+            num_prefill_tokens_total=s["num_prefill_tokens"], **_spec_stats(s["spec_decode"]))
 
     def _send(self, msg) -> None:
         self.out_sock.send(self.encoder.encode(msg), zmq.NOBLOCK)
         if isinstance(msg, m.OutputsMsg):
             self.last_send = time.monotonic()
+
+
+def _spec_stats(spec: dict | None) -> dict:
+    if not spec:
+        return {}
+    return {"spec_decode_num_drafts_total": spec["num_drafts"],
+            "spec_decode_num_draft_tokens_total": spec["num_draft_tokens"],
+            "spec_decode_num_accepted_tokens_total": spec["num_accepted_tokens"],
+            "spec_decode_accepted_per_pos_total": spec["accepted_per_pos"]}
 
 
 def _ready(core) -> m.ReadyMsg:

@@ -87,6 +87,12 @@ class StatsMsg(msgspec.Struct, array_like=True):
     prefix_cache_hits_total: int = 0  # of those, tokens whose KV was reused
     num_cached_blocks: int = 0  # blocks the prefix cache holds (referenced or not)
     num_prefill_tokens_total: int = 0  # prompt (and recomputed) tokens actually computed
+    # speculative decoding (all 0 without it): sequence-steps that verified drafts, drafts
+    # verified, drafts accepted, and accepted drafts by position (0-based)
+    spec_decode_num_drafts_total: int = 0
+    spec_decode_num_draft_tokens_total: int = 0
+    spec_decode_num_accepted_tokens_total: int = 0
+    spec_decode_accepted_per_pos_total: list[int] = []
 
 
 class OutputsMsg(msgspec.Struct, tag=True):
