@@ -139,6 +139,8 @@ class SpeculativeConfig:
     ``eagle`` (a head trained by ``heron train-draft``, at ``model``), ``layer_skip`` (the
     target's first ``num_layers`` layers, no training). Speculation is skipped for steps
     that run ``disable_by_batch_size`` or more sequences (large batches are compute bound).
+    ``speculative_token_tree`` (model drafts) verifies a static tree of candidates instead
+    of one chain (``heron.spec.tree``); ``num_speculative_tokens`` is then its depth.
     """
 
     method: str = "ngram"
@@ -148,6 +150,7 @@ class SpeculativeConfig:
     model: str | None = None  # draft model or EAGLE head directory
     num_layers: int | None = None  # layer_skip: target layers the draft runs (default: 1/4)
     disable_by_batch_size: int | None = None
+    speculative_token_tree: str | None = None  # e.g. "[(0,), (1,), (0, 0), (0, 1)]"
 
     def __post_init__(self) -> None:
         method = _SPEC_ALIASES.get(self.method, self.method)
@@ -167,6 +170,20 @@ class SpeculativeConfig:
             raise ValueError(f"num_layers must be >= 1, got {self.num_layers}")
         if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:
             raise ValueError("disable_by_batch_size must be >= 1")
+        if self.speculative_token_tree is not None:
+            if method == "ngram":
+                raise ValueError("speculative_token_tree needs a model draft (its ranked "
+                                 "choices); prompt lookup drafts one chain")
+            object.__setattr__(self, "num_speculative_tokens", self.tree.depth)
+
+    @property
+    def tree(self):
+        """The parsed ``speculative_token_tree`` (a ``heron.spec.tree.DraftTree``) or None."""
+        if self.speculative_token_tree is None:
+            return None
+        from heron.spec.tree import DraftTree
+
+        return DraftTree.parse(self.speculative_token_tree)
 
     @classmethod
     def from_dict(cls, spec: dict | str | None) -> SpeculativeConfig | None:

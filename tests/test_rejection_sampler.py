@@ -170,3 +170,71 @@ def test_sequences_without_drafts_sample_as_the_plain_sampler():
     spec.generator = torch.Generator().manual_seed(4)
     got = verify(logits.clone(), [spec], [[]], torch.Generator().manual_seed(0)).token_ids[0]
     assert got == [want]
+
+
+TREE = "[(0,), (1,), (2,), (0, 0), (0, 1), (0, 0, 0)]"
+
+
+def _tree_samples(n: int, seed: int = 0, broken: bool = False, monkeypatch=None):
+    """Emitted tokens of ``n`` sequences verifying one fixed tree on fixed rows."""
+    from heron.spec.tree import DraftTree
+    from heron.worker import tree_verify
+
+    tree = DraftTree.parse(TREE)
+    logits = torch.randn(tree.num_nodes + 1, VOCAB,
+                         generator=torch.Generator().manual_seed(seed)) * 1.5
+    ranked = [logits[0].argsort(descending=True).tolist(),
+              logits[1].argsort(descending=True).tolist(),
+              logits[4].argsort(descending=True).tolist()]
+    nodes = tree.tokens_from_choices(ranked)
+    if broken:  # forgets to remove a rejected sibling from p before trying the next one
+        monkeypatch.setattr(tree_verify, "_walk_sampled", _walk_without_removal)
+    params = SamplingParams(temperature=1.0)
+    states = [_state(i, params) for i in range(n)]
+    out = tree_verify.verify_tree(logits.repeat(n, 1), states, [nodes] * n, tree,
+                                  torch.Generator().manual_seed(seed))
+    return logits, nodes, out
+
+
+def _walk_without_removal(start, nodes, children, targets, probs, state, generator):
+    p = probs[start]
+    for child in children[0]:
+        if float(torch.rand(1, generator=generator)) < float(p[nodes[child]]):
+            return [child], [start], [nodes[child]]
+    token = int(torch.multinomial(p, 1, generator=generator))
+    return [], [start], [token]
+
+
+def test_tree_verification_is_lossless():
+    n = 20000
+    logits, nodes, out = _tree_samples(n)
+    first = [t[0] for t in out.token_ids]
+    want = logits[0].double().softmax(-1)
+    assert float((_empirical(first) - want).abs().sum()) < _l1_bound(n)
+    # after the top candidate (node 0, row 1): the next token follows row 1's distribution
+    follow = [t[1] for t in out.token_ids if t[0] == nodes[0]]
+    want = logits[1].double().softmax(-1)
+    assert float((_empirical(follow) - want).abs().sum()) < _l1_bound(len(follow))
+    assert any(p and p[0] in (1, 2) for p in out.paths), "no sibling was ever accepted"
+
+
+def test_a_broken_tree_rule_fails_the_same_check(monkeypatch):
+    n = 20000
+    logits, _, out = _tree_samples(n, broken=True, monkeypatch=monkeypatch)
+    first = [t[0] for t in out.token_ids]
+    want = logits[0].double().softmax(-1)
+    assert float((_empirical(first) - want).abs().sum()) > _l1_bound(n)
+
+
+def test_greedy_tree_follows_the_argmax_through_siblings():
+    from heron.spec.tree import DraftTree
+    from heron.worker.tree_verify import verify_tree
+
+    tree = DraftTree.parse(TREE)
+    logits = torch.full((tree.num_nodes + 1, 10), -5.0)
+    nodes = [4, 5, 6, 7, 8, 9]  # (0,) (1,) (2,) (0,0) (0,1) (0,0,0)
+    logits[0, 5] = 5.0  # the root's argmax is the second candidate, (1,): a leaf
+    logits[2, 3] = 5.0  # after (1,) the target wants 3
+    out = verify_tree(logits, [_state(0, SamplingParams(temperature=0.0))], [nodes], tree,
+                      torch.Generator())
+    assert out.token_ids == [[5, 3]] and out.paths == [[1]]

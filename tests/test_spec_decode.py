@@ -166,3 +166,43 @@ def test_real_smollm2_greedy_is_identical_with_ngram_and_layer_skip(smollm2):
         if spec["method"] == "ngram":
             assert stats["acceptance_rate"] > 0.3  # copying: most drafts are right
         llm.engine.shutdown()
+
+
+TREE = "[(0,), (1,), (2,), (0, 0), (0, 1), (0, 0, 0), (0, 0, 1)]"
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+@pytest.mark.parametrize("method", ["layer_skip", "eagle"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_greedy_is_identical_with_tree_verification(arch, method, backend, tiny_dirs,
+                                                    eagle_dirs, reference, monkeypatch):
+    """Tree steps: node positions by depth, tree attention, the accepted path's KV moved to
+    its positions; siblings must be accepted sometimes, or the move is never exercised."""
+    import heron.worker.model_runner as runner_module
+
+    accepted_siblings = []
+    verify_tree = runner_module.verify_tree
+
+    def counting(logits, states, drafts, tree, generator):
+        out = verify_tree(logits, states, drafts, tree, generator)
+        accepted_siblings.extend(n for p in out.paths for n in p if tree.paths[n][-1])
+        return out
+
+    monkeypatch.setattr(runner_module, "verify_tree", counting)
+    spec = _spec(method, tiny_dirs[arch], eagle_dirs, arch)
+    spec["speculative_token_tree"] = TREE
+    out, stats = _generate(tiny_dirs[arch], PROMPTS, num_kv_blocks=96,
+                           speculative_config=spec, attention_backend=backend)
+    assert out == reference[arch]
+    assert stats["spec_decode"]["num_drafts"] > 0
+    if method == "layer_skip":  # (an untrained EAGLE head rarely has the target's token)
+        assert accepted_siblings, "no sibling candidate was accepted"
+
+
+def test_tree_config_is_checked():
+    with pytest.raises(ValueError, match="parent must be on the greedy chain"):
+        SpeculativeConfig(method="layer_skip", speculative_token_tree="[(0,), (1,), (1, 0)]")
+    with pytest.raises(ValueError, match="prompt lookup"):
+        SpeculativeConfig(method="ngram", speculative_token_tree="[(0,)]")
+    spec = SpeculativeConfig(method="layer_skip", speculative_token_tree=TREE)
+    assert spec.num_speculative_tokens == 3 and spec.tree.num_nodes == 7

@@ -100,6 +100,8 @@ class Scheduler:
         self.config = config
         self.speculative = speculative
         self.spec_stats = SpecDecodingStats()
+        tree = speculative.tree if speculative else None
+        self._tree_nodes = tree.num_nodes if tree else None  # drafts verify as one tree
         self._num_spec = 0  # tokens the worker drafts after this step (0: not speculating)
         self.kv_cache = kv_cache
         self.max_model_len = max_model_len
@@ -250,6 +252,8 @@ class Scheduler:
             return []
         room = min(budget - 1, request.max_tokens - request.num_output_tokens - 1,
                    self.max_model_len - request.num_tokens - 1)
+        if self._tree_nodes is not None:  # a tree verifies whole or not at all
+            return drafts if room >= len(drafts) else []
         return drafts[:max(0, room)]
 
     def _lookahead(self, request: Request, num_tokens: int) -> int:

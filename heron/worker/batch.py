@@ -27,6 +27,9 @@ class HostBatch:
     seq_lens_cpu: list[int]
     sample_rows: list[int]  # flat token index of the last token of each sampling request
     prompt_lp_rows: dict[int, list[int]]  # scheduled index -> token rows needing prompt logprobs
+    # scheduled index -> (Q, Q) bool tree attention mask over its queries (speculative
+    # decoding's tree verification; see AttentionMetadata.tree_masks)
+    tree_masks: dict[int, torch.Tensor] | None = None
 
     @property
     def num_reqs(self) -> int:
@@ -41,7 +44,7 @@ class HostBatch:
             slot_mapping=tensors["slot_mapping"], block_tables=tensors["block_tables"],
             seq_lens=tensors["seq_lens"], query_start_loc=tensors["query_start_loc"],
             query_start_loc_cpu=self.query_start_loc_cpu, query_lens_cpu=self.query_lens_cpu,
-            seq_lens_cpu=self.seq_lens_cpu, block_size=block_size)
+            seq_lens_cpu=self.seq_lens_cpu, block_size=block_size, tree_masks=self.tree_masks)
 
 
 _DEVICE_FIELDS = ("input_ids", "positions", "slot_mapping", "seq_lens", "query_start_loc",

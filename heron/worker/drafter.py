@@ -66,9 +66,13 @@ class ModelDrafter:
 
     def __init__(self, draft, input_batch: InputBatch, target_kv_caches: list,
                  make_cache, backend, use_triton_ops: bool, device: torch.device,
-                 max_model_len: int) -> None:
+                 max_model_len: int, tree=None) -> None:
         """``make_cache(num_kv_heads, head_dim)``: a zeroed per-layer cache of the target's
-        pool shape (same blocks) for the draft's own layers."""
+        pool shape (same blocks) for the draft's own layers. With a ``tree``
+        (``heron.spec.tree.DraftTree``) it returns the tree's node tokens, read from its
+        ranked choices along the greedy chain."""
+        self.tree = tree
+        self._width = tree.max_rank + 1 if tree is not None else 1
         self.draft, self.input_batch = draft, input_batch
         self.catches_up = draft.catches_up  # its KV follows every step, drafting or not
         layout = draft.kv_layout()
@@ -107,8 +111,8 @@ class ModelDrafter:
         last = [j for _, j in drafting]
         last_rows = [host.query_start_loc_cpu[j + 1] - 1 for j in last]
         hidden = hidden[last_rows]  # (S, H)
-        token = self.draft.compute_logits(hidden).argmax(-1)  # (S,)
-        drafts = [token]
+        ranked = self.draft.compute_logits(hidden).topk(self._width).indices  # (S, width)
+        token, drafts = ranked[:, 0], [ranked]
         seq_rows = rows[last]
         positions = (starts + lens - 1)[last]  # (S,) last catch-up position
         for j in range(1, view.num_spec):
@@ -116,9 +120,14 @@ class ModelDrafter:
             ib.token_ids[seq_rows, positions + j + offset] = token.cpu().numpy()
             host = ib.batch_at(seq_rows, positions + j, np.ones_like(seq_rows), offset)
             hidden = self._forward(host, hidden)
-            token = self.draft.compute_logits(hidden).argmax(-1)
-            drafts.append(token)
-        tokens = torch.stack(drafts, 1).tolist()  # (S, num_spec)
+            ranked = self.draft.compute_logits(hidden).topk(self._width).indices
+            token = ranked[:, 0]
+            drafts.append(ranked)
+        choices = torch.stack(drafts, 1).tolist()  # (S, num_spec, width)
+        if self.tree is None:
+            tokens = [[r[0] for r in seq] for seq in choices]
+        else:
+            tokens = [self.tree.tokens_from_choices(seq) for seq in choices]
         return {view.states[i].req_id: t for (i, _), t in zip(drafting, tokens)}
 
     def _catch_up_entries(self, view: StepView, lengths: list[int], proposing: set[int]):

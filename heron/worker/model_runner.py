@@ -20,6 +20,7 @@ from heron.worker.cuda_graphs import DecodeGraphRunner
 from heron.worker.drafter import StepView
 from heron.worker.input_batch import InputBatch, SequenceState
 from heron.worker.rejection_sampler import verify
+from heron.worker.tree_verify import verify_tree
 from heron.worker.sampler import Sampler, top_logprobs
 from heron.worker.step import ModelRunnerOutput, SchedulerOutput, num_rejected
 
@@ -76,6 +77,7 @@ class ModelRunner:
         self.input_batch = InputBatch(max_num_seqs, self.max_context, block_size)
         self._fault_token = fault_injection_token()
         self.proposer = None  # drafts tokens after each step (speculative decoding)
+        self.tree = None  # drafts are the nodes of this DraftTree (else one chain)
         if device.type == "cuda" and self.backend.name == "triton" and not enforce_eager:
             self.enable_decode_graphs(max_num_seqs)
 
@@ -126,6 +128,8 @@ class ModelRunner:
         drafts = [sched.spec_token_ids.get(r, []) for r in sched.req_ids]
         batch = self.input_batch.host_batch(sched.req_ids, sched.num_scheduled_tokens,
                                             [len(d) for d in drafts])
+        if self.tree is not None and sched.spec_token_ids:
+            _lay_out_tree(batch, drafts, self.tree)
         states = [self.input_batch.states[r] for r in sched.req_ids]
         starts = [s.num_computed_tokens for s in states]
         sampling = [i for i, n in enumerate(sched.num_scheduled_tokens)
@@ -137,8 +141,10 @@ class ModelRunner:
             self.input_batch.advance(sched.req_ids, sched.num_scheduled_tokens,
                                      [[] for _ in sched.req_ids])
             return None
-        sampled, logprobs = self._sample(hidden, batch, samplers,
-                                         [drafts[i] for i in sampling])
+        sampled, logprobs, paths = self._sample(hidden, batch, samplers,
+                                                [drafts[i] for i in sampling])
+        if paths:
+            self._keep_accepted_paths(batch, hidden, sampling, paths)
         prompt_lps = {states[i].req_id: self._prompt_logprobs(states[i], hidden, rows)
                       for i, rows in batch.prompt_lp_rows.items()}
         tokens = [sampled.get(r, []) for r in sched.req_ids]
@@ -186,23 +192,29 @@ class ModelRunner:
         return out
 
     def _sample(self, hidden: torch.Tensor, batch: HostBatch, samplers: list[SequenceState],
-                drafts: list[list[int]]) -> tuple[dict[str, list[int]], dict[str, list]]:
+                drafts: list[list[int]]):
         """Tokens (and logprobs) of the sampling sequences. Every TP rank computes its slice
         of the logits; the driver samples and, when the TP ranks keep tokens themselves
         (no pipeline), broadcasts the tokens to them. Sequences with drafts verify them:
-        their tokens are the accepted drafts plus one (one rank only)."""
+        their tokens are the accepted drafts plus one (one rank only). Returns (tokens,
+        logprobs) by request id, and the accepted tree paths by sampler index (trees only)."""
         sampled: dict[str, list[int]] = {}
         logprobs: dict[str, list] = {}
+        paths: dict[int, list[int]] = {}
         if not samplers:
-            return sampled, logprobs
+            return sampled, logprobs, paths
         logits = self.model.compute_logits(_rows(hidden, batch.sample_rows))
         if any(drafts):
-            out = verify(logits, samplers, drafts, self.sampler.generator)
+            if self.tree is not None:
+                out = verify_tree(logits, samplers, drafts, self.tree, self.sampler.generator)
+                paths = {j: p for j, p in enumerate(out.paths) if p}
+            else:
+                out = verify(logits, samplers, drafts, self.sampler.generator)
             for state, tokens, lps in zip(samplers, out.token_ids, out.logprobs):
                 sampled[state.req_id] = tokens
                 if lps is not None:
                     logprobs[state.req_id] = lps
-            return sampled, logprobs
+            return sampled, logprobs, paths
         token_ids = None
         if logits is not None:
             out = self.sampler(logits, samplers)
@@ -214,10 +226,36 @@ class ModelRunner:
             t = torch.tensor(token_ids or [0] * len(samplers), dtype=torch.int64)
             token_ids = self._tp.broadcast(t).tolist()
         if token_ids is None:
-            return sampled, logprobs
+            return sampled, logprobs, paths
         for state, token in zip(samplers, token_ids):
             sampled[state.req_id] = [token]
-        return sampled, logprobs
+        return sampled, logprobs, paths
+
+    def _keep_accepted_paths(self, batch: HostBatch, hidden: torch.Tensor,
+                             sampling: list[int], paths: dict[int, list[int]]) -> None:
+        """Move each accepted tree path to the slots (and hidden rows) of its positions: the
+        node at depth d was computed in row ``root + 1 + node``, its position's slot (and
+        the row a chain would have used) is ``root + d``. Gathers before it scatters, so
+        overlapping moves are safe."""
+        src, dst = [], []
+        for j, path in paths.items():
+            i = sampling[j]
+            root = batch.query_start_loc_cpu[i + 1] - 1 - self.tree.num_nodes
+            for depth, node in enumerate(path, start=1):
+                if node + 1 != depth:
+                    src.append(root + 1 + node)
+                    dst.append(root + depth)
+        if not src:
+            return
+        rows_src = torch.tensor(src, device=hidden.device)
+        rows_dst = torch.tensor(dst, device=hidden.device)
+        hidden[rows_dst] = hidden[rows_src]
+        slots = batch.slot_mapping.to(self.device)
+        slot_src, slot_dst = slots[rows_src], slots[rows_dst]
+        for cache in self.kv_caches:
+            if cache is not None:
+                flat = cache.view(2, -1, *cache.shape[3:])  # (2, slots, KVH, D)
+                flat[:, slot_dst] = flat[:, slot_src]
 
     def _inject_fault(self, samplers: list[SequenceState]) -> None:
         """HERON_FAULT_INJECTION_TOKEN: a sampling sequence whose prompt holds the token
@@ -239,6 +277,20 @@ class ModelRunner:
         targets = torch.tensor(state.prompt_token_ids[first:first + len(rows)])
         return [top_logprobs(logprobs[i], targets[i], state.params.prompt_logprobs)
                 for i in range(len(rows))]
+
+
+def _lay_out_tree(batch: HostBatch, drafts: list[list[int]], tree) -> None:
+    """Tree verification: a sequence's rows are its last token (the root) and one per node;
+    node n moves to position root + depth(n) (its slot stays that of row root + 1 + n) and
+    attends through the tree mask."""
+    depths = torch.tensor(tree.depths())
+    mask = tree.attention_mask()
+    batch.tree_masks = {}
+    for i, nodes in enumerate(drafts):
+        if nodes:
+            root = batch.query_start_loc_cpu[i + 1] - 1 - len(nodes)
+            batch.positions[root + 1:root + 1 + len(nodes)] = batch.positions[root] + depths
+            batch.tree_masks[i] = mask
 
 
 def _rows(hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:

@@ -53,9 +53,10 @@ def make_proposer(spec: SpeculativeConfig, draft, runner):
     for module in _modules(draft):
         if isinstance(module, RotaryEmbedding):
             module.reserve(runner.max_context, runner.device)
+    runner.tree = spec.tree
     return ModelDrafter(draft, runner.input_batch, runner.kv_caches, runner.make_cache,
                         runner.backend, runner.use_triton_ops, runner.device,
-                        runner.max_context)
+                        runner.max_context, runner.tree)
 
 
 def _modules(draft):
