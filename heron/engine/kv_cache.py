@@ -139,10 +139,12 @@ class KVCacheManager:
     def cache_full_blocks(self, request: Request) -> None:
         """Insert the request's newly computed full blocks into the tree. Where an identical
         block is already cached (a sibling computed it in the same step, or an earlier request
-        cached the block this one recomputed), switch to it and release the duplicate."""
+        cached the block this one recomputed), switch to it and release the duplicate. Only
+        blocks of tokens the request holds: accepted draft tokens are computed before they
+        are appended."""
         if self.prefix_cache is None:
             return
-        full = request.num_computed_tokens // self.block_size
+        full = min(request.num_computed_tokens, request.num_tokens) // self.block_size
         parent = request.last_cached_node or self.prefix_cache.root(request.cache_salt)
         for i in range(request.num_cached_blocks, full):
             own = request.block_ids[i]

@@ -218,8 +218,8 @@ class Scheduler:
                 i += 1
                 continue
             try:
-                allocated = self._allocate_running(
-                    request, num_tokens + self._lookahead(request, num_tokens), out)
+                allocated = self._allocate_lookahead(request, num_tokens) or \
+                    self._allocate_running(request, num_tokens, out)
             except Exception as exc:  # noqa: BLE001 - this request's bookkeeping broke
                 self.fail(request, exc)
                 continue  # it left self.running: index i is the next request now
@@ -256,13 +256,20 @@ class Scheduler:
             return drafts if room >= len(drafts) else []
         return drafts[:max(0, room)]
 
-    def _lookahead(self, request: Request, num_tokens: int) -> int:
-        """KV slots past this step's tokens where a model-based draft writes the KV of the
-        tokens it drafts (bounded by the context)."""
+    def _lookahead(self, end: int) -> int:
+        """KV slots past position ``end`` (where this step's tokens stop) in which a model
+        draft writes the KV of the tokens it drafts (bounded by the context)."""
         if not self._num_spec or not self.speculative.writes_draft_kv:
             return 0
-        end = request.num_computed_tokens + num_tokens
         return max(0, min(self._num_spec, self.max_model_len - end))
+
+    def _allocate_lookahead(self, request: Request, num_tokens: int) -> bool:
+        """Blocks for the step's tokens plus the draft's lookahead, if the pool has them
+        without preempting anyone (drafting room never costs a sequence its KV; without
+        it the worker does not draft for this sequence)."""
+        lookahead = self._lookahead(request.num_computed_tokens + num_tokens)
+        return lookahead > 0 and \
+            self.kv_cache.allocate(request, num_tokens + lookahead) is not None
 
     def _allocate_running(self, request: Request, num_tokens: int, out: _Step) -> bool:
         """Blocks for ``num_tokens`` more tokens, preempting the youngest (not in flight)
@@ -305,11 +312,15 @@ class Scheduler:
             return 0
         num_cached = len(hit) * self.kv_cache.block_size
         num_tokens = min(request.num_tokens - num_cached, budget)
-        # the lookahead slots of a draft (if this chunk ends the prompt, so it samples)
-        lookahead = self._lookahead(request, num_tokens) if \
+        if self._below_watermark(request, num_tokens, hit):
+            return None
+        # with the lookahead slots of a draft when this chunk ends the prompt (so it samples)
+        # and the pool has them; else without
+        lookahead = self._lookahead(num_cached + num_tokens) if \
             num_cached + num_tokens == request.num_tokens else 0
-        if self._below_watermark(request, num_tokens + lookahead, hit) or \
-                self.kv_cache.allocate(request, num_tokens + lookahead, hit) is None:
+        with_lookahead = lookahead and \
+            self.kv_cache.allocate(request, num_tokens + lookahead, hit) is not None
+        if not with_lookahead and self.kv_cache.allocate(request, num_tokens, hit) is None:
             return None
         self._admit(request, num_cached)
         return num_tokens
@@ -437,6 +448,8 @@ class Scheduler:
             if request.is_finished:
                 break
         if not request.is_finished:
+            if drafts:  # the blocks of its accepted drafts, now that it holds them
+                self.kv_cache.cache_full_blocks(request)
             request.spec_token_ids = result.spec_token_ids.get(request.request_id, [])
         return sequence_delta(request, tokens[:accepted],
                               logprobs[:accepted] if logprobs else None)

@@ -94,8 +94,12 @@ class ModelDrafter:
     def propose(self, view: StepView) -> dict[str, list[int]]:
         ib, offset = self.input_batch, self.draft.token_offset
         lengths = [int(ib.num_tokens[s.row]) for s in view.states]
+        # draft only where the lookahead slots exist (the scheduler allocates them when the
+        # pool has room): positions up to length + num_spec - 2 get KV
+        bs = ib.block_size
         proposing = [i for i in view.proposing
-                     if lengths[i] + view.num_spec < self.max_model_len]
+                     if lengths[i] + view.num_spec < self.max_model_len and
+                     ib.num_blocks[view.states[i].row] * bs >= lengths[i] + view.num_spec - 1]
         entries, drafting = self._catch_up_entries(view, lengths, set(proposing))
         if not entries:
             return {}
