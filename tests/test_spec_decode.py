@@ -98,6 +98,15 @@ def test_greedy_is_identical_under_chunking_preemption_and_prefix_hits(
     assert stats["num_free_blocks"] == stats["num_blocks"]  # every block came back
 
 
+def test_speculation_crosses_the_process_boundary(tiny_dirs, reference):
+    """With the worker in its own process, drafts travel in the step messages."""
+    spec = {"method": "draft", "num_speculative_tokens": 3, "model": str(tiny_dirs["llama"])}
+    out, stats = _generate(tiny_dirs["llama"], PROMPTS, num_kv_blocks=96,
+                           speculative_config=spec, distributed_executor_backend="mp")
+    assert out == reference["llama"]
+    assert stats["spec_decode"]["acceptance_rate"] == 1.0
+
+
 def test_seeded_sampling_repeats_with_speculation(tiny_dirs):
     params = SamplingParams(max_tokens=30, temperature=0.8, top_p=0.9, seed=7, n=2,
                             ignore_eos=True)

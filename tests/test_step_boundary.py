@@ -21,7 +21,10 @@ from heron.worker.step import ModelRunnerOutput
 WORKER_MODULES = ["heron.worker.worker", "heron.worker.model_runner", "heron.worker.input_batch",
                   "heron.worker.sampler", "heron.worker.step", "heron.worker.cuda_graphs",
                   "heron.executor.uniproc", "heron.executor.multiproc",
-                  "heron.executor.worker_process"]
+                  "heron.executor.worker_process", "heron.worker.drafter",
+                  "heron.worker.proposers", "heron.worker.rejection_sampler",
+                  "heron.worker.tree_verify", "heron.spec.draft_models", "heron.spec.ngram",
+                  "heron.spec.tree", "heron.spec.eagle_checkpoint"]
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 POISON = 77
 
@@ -30,7 +33,8 @@ def test_the_worker_side_imports_nothing_from_the_core_or_above():
     code = ("import sys\n"
             + "".join(f"import {m}\n" for m in WORKER_MODULES)
             + "print([m for m in sys.modules if m.split('.')[:2] in "
-              "(['heron', 'engine'], ['heron', 'transport'], ['heron', 'server'])])")
+              "(['heron', 'engine'], ['heron', 'transport'], ['heron', 'server'], "
+              "['heron', 'entrypoints'])])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True)
     assert out.stdout.strip() == "[]"
