@@ -215,3 +215,4 @@ def test_tree_config_is_checked():
         SpeculativeConfig(method="ngram", speculative_token_tree="[(0,)]")
     spec = SpeculativeConfig(method="layer_skip", speculative_token_tree=TREE)
     assert spec.num_speculative_tokens == 3 and spec.tree.num_nodes == 7
+

@@ -17,7 +17,7 @@ pytest.importorskip("triton")
 
 from hf_reference import hf_greedy, make_tiny_model  # noqa: E402
 from test_triton_backend import generate_and_compare  # noqa: E402
-from heron import LLM  # noqa: E402
+from heron import LLM, SamplingParams  # noqa: E402
 from heron.worker.batch import HostBatch  # noqa: E402
 from heron.worker.cuda_graphs import (EagerGraph, StaticDecodeInputs, bucket_for,  # noqa: E402
                                       decode_buckets)
@@ -84,3 +84,23 @@ def test_greedy_matches_hf_when_decode_steps_replay_padded_graphs(tmp_path):
     CountingEagerGraph.replays = 0
     generate_and_compare(llm, prompts, refs)
     assert CountingEagerGraph.replays == 5  # 6 tokens: 1 from the prefill step, 5 decodes
+
+
+def test_speculation_replays_plain_decodes_and_runs_verify_steps_eagerly(tmp_path):
+    """While two sequences run, speculation is off (disable_by_batch_size 2) and one-token
+    decodes replay graphs; the last one speculates (its own model as the draft), and its
+    verifying steps run eagerly. Output stays HF-exact."""
+    hf = make_tiny_model("llama", tmp_path)
+    prompts = [[5, 6, 7, 8, 9] * 2, [11, 12, 13] * 3]
+    refs = [hf_greedy(hf, p, n) for p, n in zip(prompts, (4, 12))]
+    spec = {"method": "draft", "num_speculative_tokens": 3, "model": str(tmp_path),
+            "disable_by_batch_size": 2}
+    llm = LLM(str(tmp_path), attention_backend="triton", max_num_batched_tokens=64,
+              block_size=4, speculative_config=spec)
+    llm.engine.runner.enable_decode_graphs(max_batch=4, graph_factory=CountingEagerGraph)
+    CountingEagerGraph.replays = 0
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (4, 12)]
+    out = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert out == [r[0] for r in refs]
+    assert CountingEagerGraph.replays > 0
+    assert llm.engine.stats()["spec_decode"]["num_accepted_tokens"] > 0
