@@ -156,7 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
     from heron.entrypoints.check_kernels import add_parser as add_check_kernels_parser
 
     add_check_kernels_parser(sub)
-    from heron.spec.train_cli import add_parser as add_train_draft_parser
+    from heron.training.train_cli import add_parser as add_train_draft_parser
 
     add_train_draft_parser(sub)
     return parser
@@ -243,6 +243,8 @@ def main(argv: list[str] | None = None) -> int:
             from heron.entrypoints.check_kernels import run as run_check_kernels
 
             return run_check_kernels(args)
+        if args.command == "train-draft":
+            return args.run(args)
         params = _sampling_params(args)
         llm = _make_llm(args)
         if args.command == "generate":
