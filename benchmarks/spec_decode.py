@@ -1,7 +1,7 @@
 """Speculative decoding on vs off in one run: the same prompts, greedy, on SmolLM2-135M.
 
     .venv/bin/python benchmarks/spec_decode.py --quick          # smoke run (a few minutes)
-    .venv/bin/python benchmarks/spec_decode.py                  # everything (~25 minutes)
+    .venv/bin/python benchmarks/spec_decode.py                  # everything (25-35 min)
     .venv/bin/python benchmarks/spec_decode.py --rows copy,vllm --num-prompts 2
 
 Row groups (``--rows``, comma-separated):
@@ -9,9 +9,11 @@ Row groups (``--rows``, comma-separated):
          renamed, changing nothing else" (real small heron sources); off vs ngram
   chat   batch 1: ordinary chat questions; off vs ``--chat-methods`` (ngram, layer_skip
          with 8 and 15 of SmolLM2's 30 layers, a separate draft model, an EAGLE head)
-  batch  throughput at ``--batch-sizes`` on copy-heavy prompts (40-line chunks of repo
-         files): off vs ngram vs ngram with ``disable_by_batch_size`` (the policy that
-         turns speculation off for big batches); the crossover is where on/off drops under 1
+  batch  throughput at ``--batch-sizes`` on copy-heavy prompts (``--chunk-lines``-line
+         chunks of repo files): off vs ngram vs ngram with ``disable_by_batch_size`` (the
+         policy that turns speculation off for big batches); the crossover is where on/off
+         drops under 1. Besides end-to-end tok/s, decode-only tok/s: the batch's prefill
+         time (the same batch with one output token, on off) taken off
   vllm   vLLM's CPU build on the copy and chat prompts at batch 1, without speculation and
          with its own ngram speculation (same keys as heron's), in vLLM's venv
 
@@ -99,8 +101,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch-sizes", default=None, help="batch row sizes (default 1,16,64; "
                    "--quick 1,8)")
     p.add_argument("--batch-max-tokens", type=int, default=None,
-                   help="max output tokens per batch-row request (default 96, --quick 16)")
-    p.add_argument("--chunk-lines", type=int, default=40,
+                   help="max output tokens per batch-row request (default 64, --quick 16)")
+    p.add_argument("--chunk-lines", type=int, default=20,
                    help="lines per source chunk in the batch rows' prompts")
     p.add_argument("--disable-by-batch-size", type=int, default=8,
                    help="the batch rows' policy configuration")
@@ -132,7 +134,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.max_tokens = args.max_tokens or (24 if quick else 256)
     args.batch_sizes = [int(b) for b in (args.batch_sizes or ("1,8" if quick else
                                                                 "1,16,64")).split(",")]
-    args.batch_max_tokens = args.batch_max_tokens or (16 if quick else 96)
+    args.batch_max_tokens = args.batch_max_tokens or (16 if quick else 64)
     args.chat_methods = (args.chat_methods or ("ngram,layer_skip:8,draft" if quick else
                                                DEFAULT_CHAT_METHODS)).split(",")
     groups = args.rows.split(",")
