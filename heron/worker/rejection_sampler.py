@@ -26,7 +26,7 @@ import torch
 
 from heron.outputs import PositionLogprobs
 from heron.worker.input_batch import SequenceState
-from heron.worker.sampler import _apply_penalties, _draw, _filter, _mask_min_tokens, top_logprobs
+from heron.worker.sampler import _draw, _filter, process_logits, top_logprobs
 
 
 @dataclass
@@ -65,18 +65,11 @@ def verify(logits: torch.Tensor, states: list[SequenceState], drafts: list[list[
     """logits: (R, V), R = sum(len(d) + 1 for d in drafts), sequence ``i``'s rows
     contiguous in order. ``draft_probs[i]``: (len(drafts[i]), V) proposal probabilities,
     None (default) for a deterministic proposer (one-hot)."""
-    logits = logits.float()
     rows = [_DraftRow(s, d[:j]) for s, d in zip(states, drafts) for j in range(len(d) + 1)]
     starts = [0]
     for d in drafts:
         starts.append(starts[-1] + len(d) + 1)
-    raw_logprobs = None
-    if any(s.params.logprobs is not None for s in states):
-        raw_logprobs = logits.log_softmax(-1)
-    if any(s.params.uses_penalties or s.params.min_tokens for s in states):
-        logits = logits.clone()
-        _apply_penalties(logits, rows)
-        _mask_min_tokens(logits, rows)
+    raw_logprobs, logits = process_logits(logits, rows)
     targets = logits.argmax(-1).tolist()  # (R,) the greedy choice of every row
     accepted = [_accept_greedy(drafts[i], targets[starts[i]:starts[i + 1]])
                 if s.params.greedy else 0 for i, s in enumerate(states)]

@@ -72,6 +72,21 @@ def _mask_min_tokens(logits: torch.Tensor, requests: list[SequenceState]) -> Non
                 logits[row, banned] = float("-inf")
 
 
+def process_logits(logits: torch.Tensor, requests: list
+                   ) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """(raw logprobs if any row asks for logprobs, else None; float32 logits after the
+    penalties and min_tokens masking), one row per entry of ``requests``."""
+    logits = logits.float()
+    raw_logprobs = None
+    if any(r.params.logprobs is not None for r in requests):
+        raw_logprobs = logits.log_softmax(-1)
+    if any(r.params.uses_penalties or r.params.min_tokens for r in requests):
+        logits = logits.clone()
+        _apply_penalties(logits, requests)
+        _mask_min_tokens(logits, requests)
+    return raw_logprobs, logits
+
+
 def _filter(logits: torch.Tensor, requests: list[SequenceState]) -> torch.Tensor:
     """Temperature, top-k, top-p and min-p on rows that sample; returns probabilities."""
     dev = logits.device
@@ -127,14 +142,7 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, requests: list[SequenceState]) -> SamplerOutput:
         """logits: (B, V) float32 on the sampler's device, one row per request that samples."""
-        logits = logits.float()
-        raw_logprobs = None
-        if any(r.params.logprobs is not None for r in requests):
-            raw_logprobs = logits.log_softmax(-1)
-        if any(r.params.uses_penalties or r.params.min_tokens for r in requests):
-            logits = logits.clone()
-            _apply_penalties(logits, requests)
-            _mask_min_tokens(logits, requests)
+        raw_logprobs, logits = process_logits(logits, requests)
         tokens = logits.argmax(-1)
         sampling_rows = [i for i, r in enumerate(requests) if not r.params.greedy]
         if sampling_rows:

@@ -21,7 +21,7 @@ from heron.outputs import PositionLogprobs
 from heron.spec.tree import DraftTree
 from heron.worker.input_batch import SequenceState
 from heron.worker.rejection_sampler import _DraftRow
-from heron.worker.sampler import _apply_penalties, _draw, _filter, _mask_min_tokens, top_logprobs
+from heron.worker.sampler import _draw, _filter, process_logits, top_logprobs
 
 
 @dataclass
@@ -35,7 +35,6 @@ def verify_tree(logits: torch.Tensor, states: list[SequenceState], drafts: list[
                 tree: DraftTree, generator: torch.Generator) -> TreeVerifyOutput:
     """logits (R, V): 1 + N rows per sequence with a tree (``drafts[i]``: its N node tokens),
     1 row per sequence without drafts (``drafts[i] == []``)."""
-    logits = logits.float()
     parents, children = tree.parents(), tree.children()
     rows, starts = [], [0]
     for state, nodes in zip(states, drafts):
@@ -43,12 +42,7 @@ def verify_tree(logits: torch.Tensor, states: list[SequenceState], drafts: list[
         rows.extend(_DraftRow(state, _path_tokens(n, nodes, parents)) for n in
                     range(len(nodes)))
         starts.append(len(rows))
-    raw = logits.log_softmax(-1) if any(s.params.logprobs is not None for s in states) \
-        else None
-    if any(s.params.uses_penalties or s.params.min_tokens for s in states):
-        logits = logits.clone()
-        _apply_penalties(logits, rows)
-        _mask_min_tokens(logits, rows)
+    raw, logits = process_logits(logits, rows)
     targets = logits.argmax(-1).tolist()
     probs = None
     if any(not s.params.greedy for s in states):
