@@ -17,6 +17,7 @@ from heron.bench.machine import machine_info
 from heron.bench.results import emit
 from heron.bench.table import format_table
 from heron.bench.workloads import Sample, build_workload
+from heron.engine.spec_stats import SpecDecodingStats
 
 logger = logging.getLogger(__name__)
 
@@ -128,15 +129,7 @@ def spec_decode_report(before: dict | None, after: dict | None) -> dict | None:
     """Acceptance over the timed run (engine counters after minus before)."""
     if not after:
         return None
-    drafts = after["num_drafts"] - before["num_drafts"]
-    tokens = after["num_draft_tokens"] - before["num_draft_tokens"]
-    accepted = after["num_accepted_tokens"] - before["num_accepted_tokens"]
-    old = before["accepted_per_pos"]
-    per_pos = [n - (old[i] if i < len(old) else 0) for i, n in enumerate(after["accepted_per_pos"])]
-    return {"num_drafts": drafts, "num_draft_tokens": tokens, "num_accepted_tokens": accepted,
-            "acceptance_rate": accepted / tokens if tokens else 0.0,
-            "mean_acceptance_length": 1 + accepted / drafts if drafts else 0.0,
-            "accepted_per_pos_rate": [round(n / drafts, 3) if drafts else 0.0 for n in per_pos]}
+    return SpecDecodingStats.from_dict(after).since(SpecDecodingStats.from_dict(before)).summary()
 
 
 def _parallel_report(heron, before, elapsed_s: float) -> dict | None:

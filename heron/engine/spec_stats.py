@@ -34,6 +34,32 @@ class SpecDecodingStats:
         """Tokens a verifying step yields per sequence: accepted drafts plus the bonus."""
         return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
 
+    @classmethod
+    def from_dict(cls, d: dict) -> SpecDecodingStats:
+        """From ``as_dict()``'s counters."""
+        return cls(d["num_drafts"], d["num_draft_tokens"], d["num_accepted_tokens"],
+                   list(d["accepted_per_pos"]))
+
+    def since(self, before: SpecDecodingStats) -> SpecDecodingStats:
+        """The counts between an earlier snapshot ``before`` and this one."""
+        old = before.accepted_per_pos
+        return SpecDecodingStats(
+            self.num_drafts - before.num_drafts,
+            self.num_draft_tokens - before.num_draft_tokens,
+            self.num_accepted_tokens - before.num_accepted_tokens,
+            [n - (old[i] if i < len(old) else 0) for i, n in enumerate(self.accepted_per_pos)])
+
+    def summary(self) -> dict:
+        """Counts, acceptance rate, mean acceptance length, and the accepted fraction of
+        drafts at each position."""
+        drafts = self.num_drafts
+        return {"num_drafts": drafts, "num_draft_tokens": self.num_draft_tokens,
+                "num_accepted_tokens": self.num_accepted_tokens,
+                "acceptance_rate": self.acceptance_rate,
+                "mean_acceptance_length": self.mean_acceptance_length,
+                "accepted_per_pos_rate": [round(n / drafts, 3) if drafts else 0.0
+                                          for n in self.accepted_per_pos]}
+
     def as_dict(self) -> dict:
         return {"num_drafts": self.num_drafts, "num_draft_tokens": self.num_draft_tokens,
                 "num_accepted_tokens": self.num_accepted_tokens,

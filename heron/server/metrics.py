@@ -13,6 +13,8 @@ import time
 from typing import Callable, Iterable, Optional
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from heron.engine.spec_stats import SpecDecodingStats
 from prometheus_client.exposition import choose_encoder
 
 # 1 ms .. 160 s: covers a fast decode step up to a long queued generation.
@@ -206,20 +208,18 @@ class ServerMetrics:
 def spec_decode_summary(now: dict, last: dict | None = None) -> dict | None:
     """Acceptance between two stats snapshots (since the start without ``last``); None when
     no draft was verified in between."""
-    def delta(key):
-        return now[key] - (last[key] if last else 0)
-
-    drafts = delta("spec_decode_num_drafts_total")
-    tokens = delta("spec_decode_num_draft_tokens_total")
-    if not drafts or not tokens:
+    between = _spec_counts(now).since(_spec_counts(last) if last else SpecDecodingStats())
+    if not between.num_drafts or not between.num_draft_tokens:
         return None
-    accepted = delta("spec_decode_num_accepted_tokens_total")
-    before = (last or {}).get("spec_decode_accepted_per_pos_total") or []
-    per_pos = [n - (before[i] if i < len(before) else 0)
-               for i, n in enumerate(now["spec_decode_accepted_per_pos_total"])]
-    return {"num_drafts": drafts, "acceptance_rate": accepted / tokens,
-            "mean_acceptance_length": 1 + accepted / drafts,
-            "accepted_per_pos_rate": [round(n / drafts, 3) for n in per_pos]}
+    return between.summary()
+
+
+def _spec_counts(stats: dict) -> SpecDecodingStats:
+    """The speculative-decoding counters of an engine stats snapshot (``StatsMsg``)."""
+    return SpecDecodingStats(stats["spec_decode_num_drafts_total"],
+                             stats["spec_decode_num_draft_tokens_total"],
+                             stats["spec_decode_num_accepted_tokens_total"],
+                             list(stats["spec_decode_accepted_per_pos_total"]))
 
 
 def cost_per_million_tokens(cost_per_gpu_hour: float, tokens_per_second: float) -> float:
