@@ -232,6 +232,9 @@ class EngineConfig:
     distributed_executor_backend: str | None = None
     parallel: ParallelConfig = ParallelConfig()
     speculative: SpeculativeConfig | None = None
+    # gptq | awq | compressed-tensors | gguf | fp8 | none; None: what the checkpoint holds
+    # (a GGUF file stays quantized on CPU)
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         parse_dtype(self.dtype)

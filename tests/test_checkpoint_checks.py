@@ -27,7 +27,7 @@ FP8_CONFIG = {  # as llm-compressor writes it for an FP8 (dynamic per-token) rec
         "input_activations": {"num_bits": 8, "type": "float", "strategy": "token",
                               "dynamic": True}}},
 }
-GPTQ_CONFIG = {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False,
+GPTQ_CONFIG = {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": False,
                "sym": True}
 
 
@@ -65,26 +65,32 @@ def _add_weight_scales(tensors):
         tensors[name.replace(".weight", ".weight_scale")] = torch.ones(tensors[name].shape[0], 1)
 
 
-def test_compressed_tensors_fp8_is_refused(ckpt):
+def test_fp8_config_with_float_weights_is_refused(ckpt):
     ckpt.edit_config(quantization_config=FP8_CONFIG)
     ckpt.edit_tensors(_add_weight_scales)
-    with pytest.raises(ValueError, match=r"quantized \(quantization_config: "
-                       r"quant_method='compressed-tensors', format 'float-quantized', "
-                       r"scheme W8A8 FP8\); heron does not implement"):
+    with pytest.raises(ValueError, match=r"_proj.weight has dtype torch.float32 where the "
+                                         r"declared quantization stores torch.float8_e4m3fn"):
         LLM(str(ckpt.dir))
-    with pytest.raises(ValueError, match="compressed-tensors"):  # random weights would lie too
+    with pytest.raises(ValueError, match="dummy"):  # random weights would lie about it too
         LLM(str(ckpt.dir), load_format="dummy")
 
 
-def test_gptq_config_is_refused(ckpt):
+def test_gptq_config_with_float_tensors_is_refused(ckpt):
     ckpt.edit_config(quantization_config=GPTQ_CONFIG)
-    with pytest.raises(ValueError, match="quant_method='gptq', bits=4, group_size=128"):
+    with pytest.raises(ValueError, match=r"checkpoint has 14 tensors heron has no "
+                                         r"parameter for \(model.layers.0.mlp.down_proj"):
         LLM(str(ckpt.dir))
 
 
-def test_autogptq_side_file_is_refused(ckpt):
-    (ckpt.dir / "quantize_config.json").write_text(json.dumps({"bits": 8, "group_size": 64}))
-    with pytest.raises(ValueError, match=r"quantize_config.json: quant_method='gptq', bits=8"):
+def test_autogptq_side_file_is_read(ckpt):
+    (ckpt.dir / "quantize_config.json").write_text(json.dumps({"bits": 3, "group_size": 64}))
+    with pytest.raises(ValueError, match=r"GPTQ with 3 bits is not supported"):
+        LLM(str(ckpt.dir))
+
+
+def test_unknown_quantization_method_is_refused(ckpt):
+    ckpt.edit_config(quantization_config={"quant_method": "bitsandbytes", "load_in_4bit": True})
+    with pytest.raises(ValueError, match=r"quantization method 'bitsandbytes' is not supported"):
         LLM(str(ckpt.dir))
 
 
@@ -117,7 +123,7 @@ def test_non_float_weight_is_refused(ckpt, dtype):
     name = "model.layers.0.mlp.down_proj.weight"
     ckpt.edit_tensors(lambda t: t.update({name: t[name].to(dtype)}))
     with pytest.raises(ValueError, match=f"{name} has dtype {dtype}: the checkpoint looks "
-                                         f"quantized"):
+                                         f"quantized; a quantized checkpoint needs"):
         LLM(str(ckpt.dir))
 
 

@@ -76,9 +76,11 @@ class EngineCore:
         self._ready: dict[int, ModelRunnerOutput | Exception] = {}
         self.sequences: dict[str, list[Request]] = {}  # request id -> its n sequences
         self._failed_steps = 0  # consecutive steps in which every request failed
-        logger.info("heron engine core ready: %s (%s, %s, %s backend, %s executor) with %d KV "
-                    "blocks x %d tokens in %.1fs", self.model_name, self.arch.architecture,
-                    config.dtype, info.attention_backend, config.executor_backend,
+        self.quantization, self.weight_bytes = info.quantization, info.weight_bytes
+        logger.info("heron engine core ready: %s (%s, %s, weights %s, %.1f MB, %s backend, %s "
+                    "executor) with %d KV blocks x %d tokens in %.1fs", self.model_name,
+                    self.arch.architecture, config.dtype, info.quantization,
+                    info.weight_bytes / 1e6, info.attention_backend, config.executor_backend,
                     info.num_kv_blocks, config.cache.block_size, time.monotonic() - started)
 
     def shutdown(self) -> None:

@@ -31,11 +31,18 @@ def speculative_config(args):
     return SpeculativeConfig.from_dict(args.speculative_config)
 
 
+from heron.quant import QUANTIZATION_CHOICES  # noqa: E402
+
+
 def _engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model and engine")
     g.add_argument("--model", default=None,
                    help="HF model directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
     g.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
+    g.add_argument("-q", "--quantization", default=None, choices=QUANTIZATION_CHOICES,
+                   help="how to store the weights (default: as the checkpoint declares; a "
+                        "GGUF file stays quantized on CPU, 'none' dequantizes it; 'fp8' "
+                        "quantizes a float checkpoint as it loads)")
     g.add_argument("--max-model-len", type=int, default=None, help="max prompt + output tokens")
     g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget per step")
     g.add_argument("--max-num-seqs", type=int, default=128, help="max running sequences")
@@ -130,7 +137,7 @@ def _make_llm(args):
                distributed_executor_backend=args.distributed_executor_backend,
                tensor_parallel_size=args.tensor_parallel_size,
                pipeline_parallel_size=args.pipeline_parallel_size,
-               speculative_config=speculative_config(args))
+               speculative_config=speculative_config(args), quantization=args.quantization)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -159,6 +166,8 @@ def build_parser() -> argparse.ArgumentParser:
     from heron.training.train_cli import add_parser as add_train_draft_parser
 
     add_train_draft_parser(sub)
+    from heron.quant.quantize_cli import add_parser as add_quantize_parser
+    add_quantize_parser(sub)
     return parser
 
 
@@ -200,7 +209,7 @@ def _serve(args) -> int:
     model = args.model_path or args.model
     config = EngineConfig(
         model=model, dtype=args.dtype, max_model_len=args.max_model_len,
-        kv_events_endpoint=args.kv_events_endpoint,
+        quantization=args.quantization, kv_events_endpoint=args.kv_events_endpoint,
         attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
         seed=args.seed, num_threads=args.threads,
         distributed_executor_backend=args.distributed_executor_backend,
@@ -243,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
             from heron.entrypoints.check_kernels import run as run_check_kernels
 
             return run_check_kernels(args)
-        if args.command == "train-draft":
+        if args.command in ("train-draft", "quantize"):
             return args.run(args)
         params = _sampling_params(args)
         llm = _make_llm(args)

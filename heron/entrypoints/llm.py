@@ -43,9 +43,10 @@ class LLM:
                  enforce_eager: bool = False, num_threads: int | None = None,
                  distributed_executor_backend: str | None = None,
                  tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
-                 speculative_config: dict | str | None = None) -> None:
+                 speculative_config: dict | str | None = None,
+                 quantization: str | None = None) -> None:
         self.engine = LLMEngine(EngineConfig(
-            model=model, dtype=dtype, max_model_len=max_model_len,
+            model=model, dtype=dtype, max_model_len=max_model_len, quantization=quantization,
             attention_backend=attention_backend, seed=seed, load_format=load_format,
             enforce_eager=enforce_eager, num_threads=num_threads,
             distributed_executor_backend=distributed_executor_backend,

@@ -126,7 +126,8 @@ class MultiprocExecutor(Executor):
         driver = infos[self.world_size - config.parallel.tensor_parallel_size]  # see Worker
         self.driver_rank = driver.rank
         self.bytes_read = {rank: info.bytes_read for rank, info in infos.items()}
-        return driver
+        return msgspec.structs.replace(driver, weight_bytes=sum(
+            info.weight_bytes for info in infos.values()))  # every rank's share
 
     # ---- steps -------------------------------------------------------------------------
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:

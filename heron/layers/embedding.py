@@ -14,6 +14,8 @@ from torch import nn
 from heron.distributed import get_tp_group
 from heron.layers.cpu_gemm import CpuGemm
 from heron.layers.linear import default_weight_loader
+from heron.quant.gguf_blocks import QuantizedRows
+from heron.quant.int_layout import GroupedIntWeight, quant_linear, unpack_values
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -31,13 +33,25 @@ class VocabParallelEmbedding(nn.Module):
         self.num_real_rows = max(0, min(vocab_size - self.vocab_start, self.shard_size))
         self.weight = nn.Parameter(torch.empty(self.shard_size, hidden_size),
                                    requires_grad=False)
+        # a GGUF table kept quantized (the weight is then empty); shared with a tied LM head
+        self.quantized: GroupedIntWeight | None = None
+
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        """(T,) local row ids -> (T, hidden) rows of the table, float or dequantized."""
+        if self.quantized is None:
+            return F.embedding(ids, self.weight)
+        w = self.quantized
+        q = unpack_values(w.qweight[ids], w.bits, w.in_features).to(torch.float32)
+        q = q.view(ids.shape[0], -1, w.group_size)  # (T, groups, group_size)
+        rows = q * w.scales[ids].unsqueeze(-1) + w.mins[ids].unsqueeze(-1)
+        return rows.view(ids.shape[0], w.in_features).to(self.weight.dtype)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return F.embedding(input_ids, self.weight)
+            return self._lookup(input_ids)
         local = input_ids - self.vocab_start
         outside = (local < 0) | (local >= self.shard_size)
-        hidden = F.embedding(local.masked_fill(outside, 0), self.weight)
+        hidden = self._lookup(local.masked_fill(outside, 0))
         hidden.masked_fill_(outside.unsqueeze(-1), 0.0)
         return get_tp_group().all_reduce(hidden)
 
@@ -46,8 +60,19 @@ class VocabParallelEmbedding(nn.Module):
             raise ValueError(f"shape mismatch: vocabulary {self.vocab_size} vs checkpoint "
                              f"{tuple(tensor.shape)}")
         n = self.num_real_rows
+        if isinstance(tensor, QuantizedRows):
+            self._load_quantized(param, tensor.narrow(0, self.vocab_start, n))
+            return
         param.data[n:].zero_()
         default_weight_loader(param.data[:n], tensor.narrow(0, self.vocab_start, n))
+
+    def _load_quantized(self, param: nn.Parameter, rows: QuantizedRows) -> None:
+        """This shard's rows, padded with zero rows past the vocabulary."""
+        pad = self.shard_size - rows.shape[0]
+        q, scales, mins = (F.pad(t, (0, 0, 0, pad)) for t in (rows.q, rows.scales, rows.mins))
+        self.quantized = GroupedIntWeight.from_values(q, scales, mins, rows.group_size,
+                                                      rows.bits)
+        param.data = torch.empty(0, dtype=param.dtype)
 
 
 class ParallelLMHead(VocabParallelEmbedding):
@@ -58,7 +83,9 @@ class ParallelLMHead(VocabParallelEmbedding):
     cpu_gemm: CpuGemm | None = None  # set on CPU by loader.weights.optimize_layout
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        if self.cpu_gemm is not None:
+        if self.quantized is not None:
+            logits = quant_linear(hidden, self.quantized)  # (N, vocab / tp) float32
+        elif self.cpu_gemm is not None:
             logits = self.cpu_gemm(hidden).float()  # (N, vocab / tp)
         else:
             logits = F.linear(hidden, self.weight).float()

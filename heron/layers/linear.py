@@ -51,6 +51,7 @@ class ReplicatedLinear(nn.Module):
         self._set_local_sizes(output_sizes or [out_features])
         self.param_layouts: dict = {}
         self.optional_params: set[str] = set()
+        self.loaded_params: set[str] = set()  # names load_weight has filled
         self.cpu_gemm: CpuGemm | None = None  # set on CPU by loader.weights.optimize_layout
         if bias:
             add_param(self, "bias", (out_features,), torch.get_default_dtype(), VECTOR)
@@ -89,16 +90,24 @@ class ReplicatedLinear(nn.Module):
         """Where this rank's input features start in the checkpoint's."""
         return 0
 
-    def layout_of(self, param: nn.Parameter):
+    def _name_of(self, param: nn.Parameter) -> str:
         for name, own in self.named_parameters(recurse=False):
             if own is param:
-                return self.param_layouts[name]
+                return name
         raise ValueError("the parameter does not belong to this layer")
 
     def load_weight(self, param: nn.Parameter, tensor, shard_id=None) -> None:
-        layout, shard = self.layout_of(param), shard_id or 0
+        name = self._name_of(param)
+        self.loaded_params.add(name)
+        if hasattr(self.quant_method, "load_weight"):  # formats that decode while loading
+            self.quant_method.load_weight(self, name, tensor, shard_id)
+            return
+        layout, shard = self.param_layouts[name], shard_id or 0
         dst = param.data
-        if layout.per_shard:  # one entry per fused projection: a scalar-like tensor each
+        if layout.per_shard:  # one entry per fused projection (dims after the first: its own)
+            if layout.input_dim is not None and self.input_sharded:
+                start, length = layout.input_slice(self.input_start, self.in_features)
+                tensor = tensor.narrow(layout.input_dim - 1, start, length)
             src = tensor.materialize() if hasattr(tensor, "materialize") else tensor
             default_weight_loader(dst[shard], src.reshape(dst[shard].shape))
             return

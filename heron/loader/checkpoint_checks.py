@@ -2,9 +2,10 @@
 
 Contract: a checkpoint either loads exactly (every tensor lands in a parameter, or is on the
 short list of tensors known to carry nothing the model needs) or the load fails with a
-ValueError that names what heron does not implement. In particular quantized checkpoints
-(an HF ``quantization_config``, AutoGPTQ/AutoAWQ side files, quantization tensors or
-non-float tensor dtypes) fail until heron implements that quantization.
+ValueError that names what heron does not implement. Quantized checkpoints load through
+their declared format (``heron.quant.config``); quantization tensors or non-float dtypes in a
+checkpoint that declares none fail here, as do tensors whose dtype is not the one the declared
+format stores.
 """
 
 from __future__ import annotations
@@ -30,30 +31,12 @@ QUANT_TENSOR_NAMES = frozenset({
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
-_QUANT_SIDE_FILES = {"quantize_config.json": "gptq", "quant_config.json": "awq"}  # AutoGPTQ/AWQ
 # (name, *aliases) of the config keys that describe a non-compressed-tensors quantization
 _DETAIL_KEYS = (("bits", "w_bit"), ("group_size", "q_group_size"), ("fmt",),
                 ("weight_block_size",), ("load_in_4bit",), ("load_in_8bit",),
                 ("bnb_4bit_quant_type",))
-_ADVICE = ("heron does not implement this quantization yet: use an unquantized "
-           "(float16/bfloat16/float32) checkpoint")
-
-
-def check_not_quantized(path: Path, hf_config: dict) -> None:
-    """ValueError if the HF directory ``path`` holds a quantized checkpoint, judged by its
-    config.json ``quantization_config`` or an AutoGPTQ/AutoAWQ side file: before any tensor."""
-    qc = hf_config.get("quantization_config")
-    if qc:
-        _raise_quantized("quantization_config", qc if isinstance(qc, dict) else {})
-    for name, method in _QUANT_SIDE_FILES.items():
-        if (path / name).is_file():
-            _raise_quantized(name, {"quant_method": method,
-                                    **json.loads((path / name).read_text())})
-
-
-def _raise_quantized(source: str, qc: dict) -> None:
-    raise ValueError(f"this checkpoint is quantized ({source}: {describe_quantization(qc)}); "
-                     f"{_ADVICE}")
+_ADVICE = ("a quantized checkpoint needs the quantization_config (gptq, awq or "
+           "compressed-tensors) its tensors were written with")
 
 
 def describe_quantization(qc: dict) -> str:
@@ -96,6 +79,17 @@ def check_dtype(name: str, tensor: torch.Tensor) -> None:
     if tensor.dtype not in FLOAT_DTYPES:
         raise ValueError(f"checkpoint tensor {name} has dtype {tensor.dtype}: the checkpoint "
                          f"looks quantized; {_ADVICE}")
+
+
+def check_quantized_dtype(name: str, tensor, param_dtype: torch.dtype) -> None:
+    """ValueError unless a tensor for an integer parameter is integer (zero points and g_idx
+    are widened exactly) and one for an fp8 parameter has exactly its dtype: quantized values
+    are never cast through floats."""
+    integer = not param_dtype.is_floating_point and not tensor.dtype.is_floating_point \
+        and tensor.dtype != torch.bool
+    if tensor.dtype != param_dtype and not integer:
+        raise ValueError(f"checkpoint tensor {name} has dtype {tensor.dtype} where the "
+                         f"declared quantization stores {param_dtype}")
 
 
 def unexpected_tensors_error(names: list[str]) -> ValueError:

@@ -24,6 +24,9 @@ import gguf.quants
 from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
+from heron.quant import gguf_blocks
+from heron.quant.gguf_blocks import QuantizedRows
+
 # GGUF architecture -> (HF model_type, HF architecture class name)
 _ARCHS = {
     "llama": ("llama", "LlamaForCausalLM"),
@@ -212,23 +215,36 @@ def _unpermute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape).contiguous()
 
 
-def iter_gguf_weights(path: str | Path, config: dict) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (HF name, contiguous float32 tensor) for every model tensor in the GGUF, one at a time."""
+def iter_gguf_weights(path: str | Path, config: dict, keep_quantized: bool = False
+                      ) -> Iterator[tuple[str, torch.Tensor | QuantizedRows]]:
+    """Yield (HF name, tensor) for every model tensor in the GGUF, one at a time: contiguous
+    float32, or with ``keep_quantized`` a matrix of a type heron's kernels run as
+    ``QuantizedRows`` (decoded blocks, not dequantized)."""
     reader = _open(path)  # memory-mapped
     permute = _gguf_arch(reader) in _PERMUTED_ARCHS
     for t in reader.tensors:
         if t.name in _SKIPPED_TENSORS:
             continue
         name = _hf_name(t.name)
-        # dequantize returns numpy in row-major (out_features, in_features) order; F32 is a
-        # read-only view of the mmap, so always copy.
-        arr = np.array(dequantize(t.data, t.tensor_type), dtype=np.float32, copy=True)
-        w = torch.from_numpy(arr.reshape([int(d) for d in reversed(t.shape)]))
+        if keep_quantized and len(t.shape) == 2 and gguf_blocks.can_keep_quantized(
+                t.tensor_type):
+            w = gguf_blocks.QuantizedRows.from_raw(t.data, t.tensor_type)
+        else:
+            # dequantize returns numpy in row-major (out_features, in_features) order; F32
+            # is a read-only view of the mmap, so always copy.
+            arr = np.array(dequantize(t.data, t.tensor_type), dtype=np.float32, copy=True)
+            w = torch.from_numpy(arr.reshape([int(d) for d in reversed(t.shape)]))
         if permute and ".attn_q." in t.name:
-            w = _unpermute_qk(w, config["num_attention_heads"])
+            w = _permuted(w, config["num_attention_heads"])
         elif permute and ".attn_k." in t.name:
-            w = _unpermute_qk(w, config["num_key_value_heads"])
-        yield name, w.contiguous()
+            w = _permuted(w, config["num_key_value_heads"])
+        yield name, w.contiguous() if isinstance(w, torch.Tensor) else w
+
+
+def _permuted(w, n_head: int):
+    if isinstance(w, gguf_blocks.QuantizedRows):
+        return w.permute_rows(lambda t: _unpermute_qk(t, n_head))
+    return _unpermute_qk(w, n_head)
 
 
 def _cache_dir(path: Path, cache_root: str | Path | None) -> Path:

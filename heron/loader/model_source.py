@@ -11,7 +11,7 @@ import torch
 
 from heron.loader import safetensors_weights
 from heron.loader.lazy_tensor import ReadCounter
-from heron.loader.checkpoint_checks import check_not_quantized
+from heron.quant.config import checkpoint_quantization
 
 WeightsFn = Callable[[], Iterator[tuple[str, torch.Tensor]]]
 
@@ -28,6 +28,14 @@ class ModelSource:
     # bytes the weight iterator read from checkpoint files (safetensors are read lazily:
     # a tensor-parallel rank reads only its shards)
     read_counter: ReadCounter = field(default_factory=ReadCounter)
+    # the checkpoint's quantization_config (or AutoGPTQ / AutoAWQ side file), if any
+    quantization: dict | None = None
+    # GGUF files only: the weights with quantized matrices kept quantized
+    quantized_weights: WeightsFn | None = None
+
+    @property
+    def is_gguf(self) -> bool:
+        return self.quantized_weights is not None
 
 
 def load_tokenizer(tokenizer_dir: str | Path | None):
@@ -52,7 +60,6 @@ def _from_hf_dir(path: Path, load_format: str) -> ModelSource:
     if not config_path.is_file():
         raise FileNotFoundError(f"{path} is not a Hugging Face model directory (no config.json)")
     hf_config = _read_json(config_path)
-    check_not_quantized(path, hf_config)  # even for dummy weights: a float model is not this one
     if load_format == "dummy":  # random weights: config.json is all that is needed
         weights = _no_weights
     else:
@@ -67,6 +74,7 @@ def _from_hf_dir(path: Path, load_format: str) -> ModelSource:
         weights=weights,
         tokenizer_dir=path if has_tokenizer else None,
         generation_config=_read_json(path / "generation_config.json"),
+        quantization=checkpoint_quantization(hf_config, path),
         **({"read_counter": counter} if load_format != "dummy" else {}),
     )
 
@@ -90,6 +98,7 @@ def _from_gguf(path: Path) -> ModelSource:
         name=str(path),
         hf_config=config,
         weights=lambda: gguf_loader.iter_gguf_weights(path, config),
+        quantized_weights=lambda: gguf_loader.iter_gguf_weights(path, config, True),
         tokenizer_dir=tokenizer_dir,
         generation_config=_read_json(tokenizer_dir / "generation_config.json"),
     )

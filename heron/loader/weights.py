@@ -14,6 +14,9 @@ from heron.layers.embedding import ParallelLMHead
 from heron.layers.linear import ReplicatedLinear, default_weight_loader
 from heron.loader import checkpoint_checks as checks
 from heron.models import ModelArchConfig, get_model_class
+from heron.quant.base import UnquantizedLinearMethod
+from heron.quant.config import QuantizationConfig
+from heron.quant.gguf_blocks import QuantizedRows
 
 
 @contextlib.contextmanager
@@ -35,14 +38,35 @@ def _route(name: str, packed: dict[str, tuple[str, int]]) -> tuple[str, int | No
     return name, None
 
 
-def build_model(arch: ModelArchConfig, dtype: torch.dtype, device: torch.device) -> nn.Module:
-    """Instantiate without allocating (meta), then materialise uninitialised on ``device``."""
+def build_model(arch: ModelArchConfig, dtype: torch.dtype, device: torch.device,
+                quantization: QuantizationConfig | None = None) -> nn.Module:
+    """Instantiate without allocating (meta), give each linear layer its quantization
+    method, then materialise uninitialised on ``device``."""
     cls = get_model_class(arch.architecture)
     with torch.device("meta"), _default_dtype(dtype):
         model = cls(arch)
+        if quantization is not None:
+            _set_quant_methods(model, quantization, dtype)
     model.to_empty(device=device)
     _retie(model)  # to_empty gives each module its own copy
     return model.eval()
+
+
+def _hf_module_names(model: nn.Module, module_name: str) -> list[str]:
+    """The HF modules a heron layer fuses (qkv_proj -> q_proj, k_proj, v_proj)."""
+    prefix, _, leaf = module_name.rpartition(".")
+    parts = [hf for hf, (fused, _) in getattr(model, "packed_modules", {}).items()
+             if fused == leaf]
+    return [f"{prefix}.{hf}" for hf in parts] or [module_name]
+
+
+def _set_quant_methods(model: nn.Module, quantization: QuantizationConfig,
+                       dtype: torch.dtype) -> None:
+    for name, module in model.named_modules():
+        if isinstance(module, ReplicatedLinear):
+            method = quantization.linear_method(_hf_module_names(model, name))
+            if method is not None:
+                module.set_quant_method(method, dtype)
 
 
 def _retie(model: nn.Module) -> None:
@@ -65,7 +89,7 @@ def load_weights(model: nn.Module, weights, dtype: torch.dtype) -> None:
     packed = getattr(model, "packed_modules", {})
     tied = model.config.tie_word_embeddings
     expected = {name: len(getattr(_owner(model, name), "output_sizes", [None]))
-                for name in params}
+                for name in params if not _is_optional(model, name)}
     loaded: dict[str, set] = {}
     unexpected: list[str] = []
     for hf_name, tensor in weights:
@@ -79,7 +103,12 @@ def load_weights(model: nn.Module, weights, dtype: torch.dtype) -> None:
             if not _on_other_stage(model, name):
                 unexpected.append(hf_name)
             continue
-        checks.check_dtype(hf_name, tensor)
+        if isinstance(tensor, QuantizedRows):
+            pass  # GGUF rows: the layer decides
+        elif param.dtype.is_floating_point and param.dtype.itemsize > 1:
+            checks.check_dtype(hf_name, tensor)  # a quantized tensor for a float parameter
+        else:
+            checks.check_quantized_dtype(hf_name, tensor, param.dtype)
         loader = getattr(_owner(model, name), "load_weight", default_weight_loader)
         loader(param, tensor, shard)
         loaded.setdefault(name, set()).add(shard)
@@ -89,6 +118,23 @@ def load_weights(model: nn.Module, weights, dtype: torch.dtype) -> None:
     if missing:
         raise ValueError(f"checkpoint lacks weights for: {', '.join(missing[:8])}"
                          + (" ..." if len(missing) > 8 else ""))
+
+
+def _is_optional(model: nn.Module, param_name: str) -> bool:
+    return param_name.rsplit(".", 1)[-1] in getattr(_owner(model, param_name),
+                                                    "optional_params", ())
+
+
+def process_weights_after_loading(model: nn.Module) -> None:
+    """Let each layer's method repack what it loaded; a tied LM head shares a quantized
+    embedding table."""
+    for module in model.modules():
+        if isinstance(module, ReplicatedLinear):
+            module.quant_method.process_weights_after_loading(module)
+    _retie(model)
+    if model.config.tie_word_embeddings and hasattr(model, "lm_head") and \
+            hasattr(model.model, "embed_tokens"):
+        model.lm_head.quantized = model.model.embed_tokens.quantized
 
 
 def _on_other_stage(model: nn.Module, param_name: str) -> bool:
@@ -108,15 +154,21 @@ def _on_other_stage(model: nn.Module, param_name: str) -> bool:
 
 
 def materialize_weights(model: nn.Module, source, load_format: str, dtype: torch.dtype,
-                        seed: int = 0) -> None:
-    """Fill a built model's parameters: from ``source``'s checkpoint (``load_format="auto"``)
-    or with random values from the config alone (``"dummy"``; see dummy_weights)."""
+                        seed: int = 0, quantization: QuantizationConfig | None = None) -> None:
+    """Fill a built model's parameters: from ``source``'s checkpoint (``load_format="auto"``;
+    a GGUF file's quantized matrices kept quantized under the ``gguf`` method) or with random
+    values from the config alone (``"dummy"``; see dummy_weights)."""
     if load_format == "dummy":
         from heron.loader.dummy_weights import init_dummy_weights
 
+        if quantization is not None:
+            raise ValueError(f"random (dummy) weights need an unquantized model, not "
+                             f"{quantization.describe()}")
         init_dummy_weights(model, seed)
     elif load_format == "auto":
-        load_weights(model, source.weights(), dtype)
+        keep = quantization is not None and quantization.keeps_embedding_quantized
+        load_weights(model, (source.quantized_weights if keep else source.weights)(), dtype)
+        process_weights_after_loading(model)
     else:
         raise ValueError(f"load_format must be 'auto' or 'dummy', got {load_format!r}")
 
@@ -129,6 +181,11 @@ def optimize_layout(model: nn.Module, device: torch.device) -> None:
     if device.type != "cpu":
         return
     for module in model.modules():
+        if isinstance(module, ReplicatedLinear) and not isinstance(
+                module.quant_method, UnquantizedLinearMethod):
+            continue  # quantized: the method chose its layout
+        if isinstance(module, ParallelLMHead) and module.quantized is not None:
+            continue
         if isinstance(module, (ReplicatedLinear, ParallelLMHead)):
             weight = module.weight.data
             if weight.dtype == torch.float32 and packing_available():
@@ -137,6 +194,27 @@ def optimize_layout(model: nn.Module, device: torch.device) -> None:
             else:
                 module.weight.data = weight.t().contiguous().t()
     _retie(model)
+
+
+def model_weight_bytes(model: nn.Module) -> int:
+    """Bytes of this rank's weights in the form the forward reads them: quantized layers at
+    their packed size (a tied table counted once; CpuGemm's second copy not counted)."""
+    total, seen = 0, set()
+    for module in model.modules():
+        if isinstance(module, ReplicatedLinear):
+            total += module.quant_method.weight_bytes(module)
+            params = [module.bias] if module.bias is not None else []
+        else:
+            table = getattr(module, "quantized", None)
+            if table is not None and id(table) not in seen:
+                seen.add(id(table))
+                total += table.nbytes
+            params = list(module.parameters(recurse=False))
+        for p in params:
+            if id(p) not in seen:
+                seen.add(id(p))
+                total += p.numel() * p.element_size()
+    return total
 
 
 def _owner(model: nn.Module, param_name: str) -> nn.Module:

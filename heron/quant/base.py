@@ -29,7 +29,8 @@ class ParamLayout:
     parameter does not vary along them and is replicated on every rank). ``output_per_element``
     / ``input_per_element``: features per element along that dimension (8 for eight 4-bit
     values in an int32, the group size for group-wise scales). ``per_shard``: one entry per
-    fused projection along dimension 0 (per-tensor scales of a fused qkv).
+    fused projection along dimension 0 (per-tensor scales of a fused qkv, GPTQ's g_idx); the
+    checkpoint tensor is one entry, and ``input_dim`` counts the parameter's dimensions.
     """
 
     output_dim: int | None = 0

@@ -58,6 +58,10 @@ class ServerState:
                                              settings.max_queued_tokens,
                                              max_queued_sequences=settings.max_queued_sequences)
         self.metrics = ServerMetrics(cost_per_gpu_hour=settings.cost_per_gpu_hour)
+        ready = getattr(client, "ready", None)
+        if ready is not None:
+            self.metrics.weight_bytes.labels(quantization=ready.quantization).set(
+                ready.weight_bytes)
         self.draining = False
         self._executor = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="heron-tok")
 

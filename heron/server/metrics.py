@@ -90,6 +90,10 @@ class ServerMetrics:
                                ["finished_reason"], registry=reg)
         self.rejected = Counter("heron:request_rejected", "Requests refused before running.",
                                 ["cause"], registry=reg)
+        self.weight_bytes = Gauge("heron:model_weight_bytes",
+                                  "Bytes of the model weights as the forward reads them (all "
+                                  "ranks), by how they are stored.", ["quantization"],
+                                  registry=reg)
         self.cost = None
         if self.cost_per_gpu_hour is not None:
             self.cost = Gauge("heron:cost_per_million_tokens_dollars",

@@ -140,7 +140,8 @@ def _ready(core) -> m.ReadyMsg:
         max_model_len=core.max_model_len, vocab_size=core.arch.vocab_size,
         num_kv_blocks=core.kv_cache.num_blocks, block_size=core.config.cache.block_size,
         eos_token_ids=list(core.eos_token_ids),
-        tokenizer_dir=str(core.tokenizer_dir) if core.tokenizer_dir else None)
+        tokenizer_dir=str(core.tokenizer_dir) if core.tokenizer_dir else None,
+        quantization=core.quantization, weight_bytes=core.weight_bytes)
 
 
 def _connect(ctx: zmq.Context, kind: int, addr: str) -> zmq.Socket:

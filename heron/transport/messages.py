@@ -68,6 +68,8 @@ class ReadyMsg(msgspec.Struct, tag=True):
     block_size: int
     eos_token_ids: list[int]
     tokenizer_dir: str | None  # load the same tokenizer here (None: token ids only)
+    quantization: str = "none"  # how the weights are stored
+    weight_bytes: int = 0  # all ranks' weights as the forward reads them
 
 
 class StatsMsg(msgspec.Struct, array_like=True):

@@ -119,6 +119,8 @@ class WorkerInfo(msgspec.Struct, tag=True):
     device: str
     rank: int = 0
     bytes_read: int = 0  # checkpoint bytes this rank read (its shards, when sharded)
+    quantization: str = "none"  # how the weights are stored (quant.config describe())
+    weight_bytes: int = 0  # this rank's weights as the forward reads them
 
 
 def num_rejected(drafts: list[int], sampled: list[int]) -> int:

@@ -14,7 +14,9 @@ import torch.distributed as dist
 
 from heron.config import EngineConfig
 from heron.loader.model_source import resolve_model
-from heron.loader.weights import build_model, materialize_weights, optimize_layout
+from heron.loader.weights import (build_model, materialize_weights, model_weight_bytes,
+                                  optimize_layout)
+from heron.quant.config import resolve_quantization
 from heron.models import ModelArchConfig
 from heron.distributed import get_pp_group, get_tp_group, init_parallel
 from heron.worker.memory import KVLayout, num_kv_blocks
@@ -55,10 +57,16 @@ class Worker:
         source = resolve_model(config.model, config.load_format)
         arch = ModelArchConfig.from_hf(source.hf_config)
         dtype = config.torch_dtype
-        model = build_model(arch, dtype, self.device)
-        materialize_weights(model, source, config.load_format, dtype, config.seed)
+        quant = resolve_quantization(source.quantization, source.is_gguf, config.quantization,
+                                     self.device.type)
+        model = build_model(arch, dtype, self.device, quant)
+        materialize_weights(model, source, config.load_format, dtype, config.seed, quant)
         optimize_layout(model, self.device)
         self.bytes_read = source.read_counter.bytes_read
+        self.quantization = quant.describe() if quant else "none"
+        self.weight_bytes = model_weight_bytes(model)
+        logger.info("rank %d weights: %s, %.1f MB", rank, self.quantization,
+                    self.weight_bytes / 1e6)
         spec = config.speculative
         draft = load_draft(spec, model, arch, dtype, self.device) if spec else None
         layers, kv_heads, head_dim = model.kv_cache_layout()
@@ -91,7 +99,8 @@ class Worker:
 
     def info(self) -> WorkerInfo:
         return WorkerInfo(self.num_kv_blocks, self.max_model_len, self.runner.backend.name,
-                          str(self.device), self.rank, self.bytes_read)
+                          str(self.device), self.rank, self.bytes_read, self.quantization,
+                          self.weight_bytes)
 
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput | None:
         """The step's outcome on the driver rank; None on the others."""

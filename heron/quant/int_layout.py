@@ -1,0 +1,193 @@
+"""heron's canonical grouped integer weight: the one layout every integer checkpoint format
+(GPTQ, AWQ, compressed-tensors W4A16, GGUF Q4_0 / Q4_1 / Q4_K / Q5_K / Q6_K / Q8_0) is
+converted into, and what the CPU kernel ``torch.ops.heron_cpu.quant_linear`` multiplies.
+
+A linear layer with ``out_features`` N and ``in_features`` K holds unsigned values
+``q[n, k]`` in ``[0, 2**bits)`` (``bits`` in 2..8) and, per row and group of ``group_size``
+consecutive k, a float32 scale and offset (``scales``, ``mins``: (N, K // group_size)):
+
+    w[n, k] = q[n, k] * scales[n, k // group_size] + mins[n, k // group_size]
+
+(an integer zero point z becomes ``mins = -z * scales``). K and ``group_size`` are multiples
+of 8 and ``group_size`` divides K (``group_size == K``: one group per row).
+
+``qweight`` stores q as uint8. For ``bits <= 4`` it is (N, K // 2): in each run of 8
+consecutive k (4 bytes), byte j holds ``q[8c + j]`` in its low nibble and ``q[8c + j + 4]``
+in its high nibble, so one 32-bit load shifted per lane by (0, 8, 16, 24, 4, 12, 20, 28) and
+masked with 0xF gives the 8 values in order. For 5..8 bits it is (N, K), one value a byte.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+MIN_BITS, MAX_BITS = 2, 8
+NIBBLE_MAX_BITS = 4  # up to this width two values share a byte
+_RUN = 8  # values per packed run (4 bytes for nibbles)
+_FALLBACK_TILE_FLOATS = 1 << 22  # the torch fallback dequantizes ~16 MiB of weights at a time
+
+
+def _check_bits(bits: int) -> None:
+    if not isinstance(bits, int) or not MIN_BITS <= bits <= MAX_BITS:
+        raise ValueError(f"bits must be an integer in {MIN_BITS}..{MAX_BITS}, got {bits!r}")
+
+
+def packed_width(bits: int, k: int) -> int:
+    """qweight's second dimension for ``k`` in features of ``bits``-bit values."""
+    _check_bits(bits)
+    return k // 2 if bits <= NIBBLE_MAX_BITS else k
+
+
+def pack_values(q: torch.Tensor, bits: int) -> torch.Tensor:
+    """q: integers (N, K) in [0, 2**bits), K a multiple of 8 -> qweight uint8 (N, K // 2) for
+    bits <= 4, (N, K) otherwise (see the module docstring)."""
+    _check_bits(bits)
+    if q.dim() != 2:
+        raise ValueError(f"values must be 2-D (out_features, in_features), got shape "
+                         f"{tuple(q.shape)}")
+    if q.dtype.is_floating_point or q.dtype.is_complex or q.dtype == torch.bool:
+        raise ValueError(f"values must be an integer tensor, got {q.dtype}")
+    n, k = q.shape
+    if k % _RUN:
+        raise ValueError(f"in_features ({k}) must be a multiple of {_RUN}")
+    if q.numel() and (int(q.min()) < 0 or int(q.max()) >= 1 << bits):
+        raise ValueError(f"values must lie in [0, {1 << bits}) for {bits}-bit weights, got "
+                         f"[{int(q.min())}, {int(q.max())}]")
+    v = q.to(torch.uint8)
+    if bits > NIBBLE_MAX_BITS:
+        return v.contiguous()
+    v = v.reshape(n, k // _RUN, 2, _RUN // 2)  # (run, low / high half, byte)
+    return (v[:, :, 0] | (v[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
+
+
+def unpack_values(qweight: torch.Tensor, bits: int, k: int) -> torch.Tensor:
+    """The inverse of ``pack_values``: qweight -> uint8 values (N, k)."""
+    _check_bits(bits)
+    if qweight.dtype != torch.uint8 or qweight.dim() != 2:
+        raise ValueError(f"qweight must be a 2-D uint8 tensor, got {qweight.dtype} of shape "
+                         f"{tuple(qweight.shape)}")
+    if k % _RUN:
+        raise ValueError(f"in_features ({k}) must be a multiple of {_RUN}")
+    n = qweight.shape[0]
+    if qweight.shape[1] != packed_width(bits, k):
+        raise ValueError(f"qweight of {bits}-bit values for in_features {k} must be "
+                         f"({n}, {packed_width(bits, k)}), got {tuple(qweight.shape)}")
+    if bits > NIBBLE_MAX_BITS:
+        return qweight.contiguous()
+    b = qweight.reshape(n, k // _RUN, 1, _RUN // 2)
+    return torch.cat([b & 0xF, b >> 4], dim=2).reshape(n, k)
+
+
+def _check_groups(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
+                  group_size: int, bits: int) -> int:
+    """Validates the grouped layout; returns in_features."""
+    _check_bits(bits)
+    if scales.dim() != 2 or mins.shape != scales.shape:
+        raise ValueError(f"scales and mins must both be (out_features, groups), got "
+                         f"{tuple(scales.shape)} and {tuple(mins.shape)}")
+    if scales.dtype != torch.float32 or mins.dtype != torch.float32:
+        raise ValueError(f"scales and mins must be float32, got {scales.dtype} and {mins.dtype}")
+    if not isinstance(group_size, int) or group_size <= 0 or group_size % _RUN:
+        raise ValueError(f"group_size must be a positive multiple of {_RUN}, got {group_size!r}")
+    k = scales.shape[1] * group_size
+    if qweight.dim() != 2 or qweight.shape[0] != scales.shape[0]:
+        raise ValueError(f"qweight {tuple(qweight.shape)} and scales {tuple(scales.shape)} "
+                         f"disagree on out_features")
+    if qweight.dtype != torch.uint8 or qweight.shape[1] != packed_width(bits, k):
+        raise ValueError(f"qweight of {bits}-bit values for in_features {k} must be uint8 "
+                         f"({qweight.shape[0]}, {packed_width(bits, k)}), got {qweight.dtype} "
+                         f"{tuple(qweight.shape)}")
+    return k
+
+
+def dequantize(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
+               group_size: int, bits: int) -> torch.Tensor:
+    """The reference: float32 weights (N, K), ``q * scale + min`` per group."""
+    k = _check_groups(qweight, scales, mins, group_size, bits)
+    n, groups = scales.shape
+    q = unpack_values(qweight, bits, k).to(torch.float32).reshape(n, groups, group_size)
+    return (q * scales.unsqueeze(-1) + mins.unsqueeze(-1)).reshape(n, k)
+
+
+@dataclass
+class GroupedIntWeight:
+    """One linear layer's weight in the grouped integer layout (see the module docstring)."""
+
+    qweight: torch.Tensor  # uint8 (out_features, packed_width(bits, in_features))
+    scales: torch.Tensor  # float32 (out_features, in_features // group_size)
+    mins: torch.Tensor  # float32, same shape
+    group_size: int
+    bits: int
+    in_features: int
+    out_features: int
+
+    def __post_init__(self) -> None:
+        k = _check_groups(self.qweight, self.scales, self.mins, self.group_size, self.bits)
+        if (k, self.qweight.shape[0]) != (self.in_features, self.out_features):
+            raise ValueError(f"in_features / out_features ({self.in_features}, "
+                             f"{self.out_features}) disagree with the tensors ({k}, "
+                             f"{self.qweight.shape[0]})")
+
+    @classmethod
+    def from_values(cls, q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
+                    group_size: int, bits: int) -> GroupedIntWeight:
+        """From unpacked values q (N, K) in [0, 2**bits) and per-group scales and mins."""
+        qweight = pack_values(q, bits)
+        if not isinstance(group_size, int) or group_size <= 0 or q.shape[1] % group_size:
+            raise ValueError(f"group_size ({group_size!r}) must divide in_features "
+                             f"({q.shape[1]})")
+        return cls(qweight, scales.to(torch.float32).contiguous(),
+                   mins.to(torch.float32).contiguous(), group_size, bits, q.shape[1],
+                   q.shape[0])
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.qweight, self.scales, self.mins))
+
+    def dequantize(self) -> torch.Tensor:
+        return dequantize(self.qweight, self.scales, self.mins, self.group_size, self.bits)
+
+    def narrow_rows(self, start: int, length: int) -> GroupedIntWeight:
+        """Output features start .. start + length (a tensor-parallel column shard)."""
+        if start < 0 or length < 0 or start + length > self.out_features:
+            raise ValueError(f"rows {start} .. {start + length} are outside 0 .. "
+                             f"{self.out_features}")
+
+        def rows(t: torch.Tensor) -> torch.Tensor:
+            return t.narrow(0, start, length).contiguous()
+
+        return GroupedIntWeight(rows(self.qweight), rows(self.scales), rows(self.mins),
+                                self.group_size, self.bits, self.in_features, length)
+
+
+def _kernel_ready() -> bool:
+    from heron.kernels import cpu
+
+    return cpu.load() and hasattr(torch.ops.heron_cpu, "quant_linear")
+
+
+def quant_linear(x: torch.Tensor, w: GroupedIntWeight) -> torch.Tensor:
+    """x (..., in_features) -> float32 (..., out_features) = x @ w.dequantize().T, computed
+    in float32 (x of another float dtype is converted). On CPU through heron's C++ kernel when
+    it builds; otherwise dequantizing a tile of output features at a time."""
+    if x.shape[-1] != w.in_features:
+        raise ValueError(f"x has {x.shape[-1]} features, the weight takes {w.in_features}")
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, w.in_features).to(torch.float32)
+    if x2.device.type == "cpu" and w.qweight.device.type == "cpu" and _kernel_ready():
+        y = torch.ops.heron_cpu.quant_linear(x2, w.qweight, w.scales, w.mins, w.group_size,
+                                             w.bits)
+    else:
+        y = _quant_linear_torch(x2, w)
+    return y.reshape(*lead, w.out_features)
+
+
+def _quant_linear_torch(x: torch.Tensor, w: GroupedIntWeight) -> torch.Tensor:
+    y = x.new_empty(x.shape[0], w.out_features)
+    tile = max(1, _FALLBACK_TILE_FLOATS // max(1, w.in_features))
+    for n0 in range(0, w.out_features, tile):
+        rows = min(tile, w.out_features - n0)
+        y[:, n0:n0 + rows] = x @ w.narrow_rows(n0, rows).dequantize().T
+    return y

@@ -1,0 +1,68 @@
+"""Weight-only integer methods (W4A16, W8A16): whatever the format packs, after loading the
+weight becomes one ``GroupedIntWeight`` (values, and a scale and a min per group) that
+``int_layout.quant_linear`` multiplies; activations stay float.
+
+A format's method says which parameters it loads (``create_weights``) and how they decode
+into values, scales and mins (``decode``); this base class does the rest, including
+act-order: input features permuted so each group is contiguous, and the same permutation
+applied to x before the matmul.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from heron.quant.base import LinearMethod
+from heron.quant.int_layout import GroupedIntWeight, quant_linear
+
+
+class Decoded:
+    """q (N, K) integers in [0, 2**bits); scales, mins float (N, K // group_size); ``g_idx``
+    (K,) the group of each input feature, or None for sequential groups."""
+
+    def __init__(self, q, scales, mins, group_size: int, bits: int, g_idx=None) -> None:
+        self.q, self.scales, self.mins = q, scales, mins
+        self.group_size, self.bits, self.g_idx = group_size, bits, g_idx
+
+
+def sequential_groups(k: int, group_size: int) -> torch.Tensor:
+    return torch.arange(k) // group_size
+
+
+class WeightOnlyIntMethod(LinearMethod):
+    """Base for GPTQ, AWQ, compressed-tensors pack-quantized and GGUF."""
+
+    bits = 4
+
+    def decode(self, layer: nn.Module) -> Decoded:
+        raise NotImplementedError
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        decoded = self.decode(layer)
+        q = decoded.q
+        layer.input_perm = None
+        g_idx = decoded.g_idx
+        if g_idx is not None and not torch.equal(
+                g_idx.long(), sequential_groups(q.shape[1], decoded.group_size)):
+            perm = torch.argsort(g_idx.long(), stable=True)
+            if not torch.equal(g_idx.long()[perm], sequential_groups(q.shape[1],
+                                                                     decoded.group_size)):
+                raise ValueError(f"g_idx does not assign {decoded.group_size} input features "
+                                 f"to each group: not a GPTQ act-order permutation")
+            q, layer.input_perm = q[:, perm], perm
+        layer.grouped = GroupedIntWeight.from_values(q.to(torch.uint8), decoded.scales,
+                                                     decoded.mins, decoded.group_size,
+                                                     decoded.bits)
+        for name in [n for n in layer.param_layouts if n != "bias"]:
+            delattr(layer, name)  # the checkpoint's packing is not needed any more
+            del layer.param_layouts[name]
+
+    def apply(self, layer, x, bias=None):
+        if layer.input_perm is not None:
+            x = x.index_select(-1, layer.input_perm)
+        y = quant_linear(x, layer.grouped).to(x.dtype)
+        return y if bias is None else y + bias
+
+    def weight_bytes(self, layer) -> int:
+        return layer.grouped.nbytes
