@@ -43,7 +43,7 @@ def _gptq(w, bits, group, act_order, gen):
     n, k = w.shape
     order = torch.randperm(k, generator=torch.Generator().manual_seed(k)) if act_order \
         else torch.arange(k)
-    members = order.reshape(-1, group)
+    members = list(order.split(group))  # the last group is shorter when group ∤ K
     q, scale, zero = _asym_groups(w, bits, members)
     g_idx = torch.empty(k, dtype=torch.int32)
     for g, idx in enumerate(members):
@@ -101,6 +101,9 @@ SCHEMES = {
     "gptq-4bit-g32": (lambda w, g: _gptq(w, 4, 32, False, g),
                       {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": False,
                        "sym": False, "checkpoint_format": "gptq"}, None),
+    "gptq-4bit-g48-partial": (lambda w, g: _gptq(w, 4, 48, False, g),
+                              {"quant_method": "gptq", "bits": 4, "group_size": 48,
+                               "desc_act": False, "sym": False}, None),
     "gptq-8bit-g64": (lambda w, g: _gptq(w, 8, 64, False, g),
                       {"quant_method": "gptq", "bits": 8, "group_size": 64, "desc_act": False,
                        "sym": False}, None),

@@ -55,9 +55,11 @@ class GPTQLinearMethod(WeightOnlyIntMethod):
     def create_weights(self, layer, dtype) -> None:
         k, n, pack = layer.in_features, layer.out_features, 32 // self.bits
         group = self._group(layer)
-        if k % pack or k % group or n % pack:
+        if k % pack or n % pack or (layer.input_sharded and k % group):
             raise ValueError(f"a {k}x{n} GPTQ layer does not fit {self.bits}-bit packing "
-                             f"with groups of {group}")
+                             f"with groups of {group}" + (" on this tensor-parallel rank"
+                                                          if layer.input_sharded else ""))
+        groups = -(-k // group)  # a last, shorter group when group does not divide K
         if self.config.desc_act and layer.input_sharded:
             raise ValueError("GPTQ act-order (desc_act) checkpoints are not supported with "
                              "tensor parallelism yet (a rank's input features mix groups)")
@@ -66,10 +68,10 @@ class GPTQLinearMethod(WeightOnlyIntMethod):
                                    input_per_element=group)
         add_param(layer, "qweight", (k // pack, n), torch.int32,
                   ParamLayout(output_dim=1, input_dim=0, input_per_element=pack))
-        add_param(layer, "qzeros", (k // group, n // pack), torch.int32,
+        add_param(layer, "qzeros", (groups, n // pack), torch.int32,
                   ParamLayout(output_dim=1, output_per_element=pack,
                               input_dim=group_layout.input_dim, input_per_element=group))
-        add_param(layer, "scales", (k // group, n), torch.float32, group_layout)
+        add_param(layer, "scales", (groups, n), torch.float32, group_layout)
         # one per fused projection: act-order permutations must agree to share one matmul
         add_param(layer, "g_idx", (len(layer.output_sizes), k), torch.int32,
                   ParamLayout(per_shard=True, input_dim=1), optional=True)

@@ -10,6 +10,8 @@ applied to x before the matmul.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
@@ -28,6 +30,18 @@ class Decoded:
 
 def sequential_groups(k: int, group_size: int) -> torch.Tensor:
     return torch.arange(k) // group_size
+
+
+def _whole_groups(scales, mins, group_size: int, k: int):
+    """GPTQ allows a last, shorter group (K = 576 with groups of 128); the kernel wants K a
+    multiple of the group: split groups into gcd(group, K) and drop what lies past K (the
+    same numbers, repeated)."""
+    if k % group_size == 0:
+        return scales, mins, group_size
+    finer = math.gcd(group_size, k)
+    repeat, keep = group_size // finer, k // finer
+    return (scales.repeat_interleave(repeat, dim=1)[:, :keep],
+            mins.repeat_interleave(repeat, dim=1)[:, :keep], finer)
 
 
 class WeightOnlyIntMethod(LinearMethod):
@@ -51,8 +65,9 @@ class WeightOnlyIntMethod(LinearMethod):
                 raise ValueError(f"g_idx does not assign {decoded.group_size} input features "
                                  f"to each group: not a GPTQ act-order permutation")
             q, layer.input_perm = q[:, perm], perm
-        layer.grouped = GroupedIntWeight.from_values(q.to(torch.uint8), decoded.scales,
-                                                     decoded.mins, decoded.group_size,
+        scales, mins, group = _whole_groups(decoded.scales, decoded.mins, decoded.group_size,
+                                            q.shape[1])
+        layer.grouped = GroupedIntWeight.from_values(q.to(torch.uint8), scales, mins, group,
                                                      decoded.bits)
         for name in [n for n in layer.param_layouts if n != "bias"]:
             delattr(layer, name)  # the checkpoint's packing is not needed any more
