@@ -182,3 +182,13 @@ def test_sigterm_finishes_in_flight_requests_and_exits_zero():
     assert events[-1] == "data: [DONE]"
     assert '"finish_reason":"length"' in events[-2]  # all 48 tokens, not cut short
     assert srv.proc.wait(60) == 0
+
+
+def test_metrics_report_the_weight_format(server):
+    text = httpx.get(f"{server.url}/metrics").text
+    samples = [s for fam in text_string_to_metric_families(text) for s in fam.samples
+               if s.name == "heron:model_weight_bytes"]
+    assert len(samples) == 1
+    # the embedded GGUF stays 4-bit on CPU: ~115 MB where float32 would be ~540 MB
+    assert samples[0].labels == {"quantization": "gguf (kept quantized)"}
+    assert 50e6 < samples[0].value < 200e6
