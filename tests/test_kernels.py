@@ -151,3 +151,12 @@ def test_check_kernels_command(capsys, monkeypatch):
     monkeypatch.setitem(check.TOLERANCE, torch.float32, 0.0)  # store_kv is exact, silu not
     assert main(argv) == 1
     assert "1/2 within tolerance" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_int_gemm_matches_reference(dtype):
+    from heron.kernels import check
+
+    errors = [reference.max_rel_error(*run())
+              for run in check.SUITE["grouped_int_gemm"](dtype, "cpu", False)]
+    assert len(errors) == 4 and max(errors) <= TOL[dtype]

@@ -191,6 +191,28 @@ def _silu_cases(dtype, device, real: bool) -> Iterator[Case]:
         yield run
 
 
+def _grouped_int_gemm_cases(dtype, device, real: bool) -> Iterator[Case]:
+    """W4A16 (g128, g32), W6 (g16, GGUF Q6_K's) and W8 per-channel on decode and prefill
+    row counts; real: the Llama-3.1-8B MLP's gate_up (28672 x 4096) and down (4096 x 14336)."""
+    shapes = ([(1, 28672, 4096), (64, 4096, 14336)] if real else [(1, 100, 128), (37, 64, 96)])
+    for (m, n, k), (bits, group) in zip(shapes * 2, [(4, 128), (4, 32), (6, 16), (8, -1)]):
+        def run(m=m, n=n, k=k, bits=bits, group=group):
+            from heron.kernels.grouped_int_gemm import grouped_int_gemm
+            from heron.quant.int_layout import GroupedIntWeight
+
+            group = k if group == -1 else group
+            gen = torch.Generator().manual_seed(m + n + bits)
+            q = torch.randint(0, 1 << bits, (n, k), generator=gen, dtype=torch.uint8)
+            scales = torch.rand(n, k // group, generator=gen) * 0.02
+            mins = -scales * (1 << (bits - 1))
+            w = GroupedIntWeight.from_values(q, scales, mins, group, bits)
+            x = cases.randn(m, k, dtype=dtype, device="cpu")
+            expected = x.double() @ w.dequantize().double().T
+            dev = [t.to(device) for t in (x, w.qweight, w.scales, w.mins)]
+            return grouped_int_gemm(*dev, group, bits).cpu(), expected
+        yield run
+
+
 SUITE = {
     "prefill_attention": _prefill_cases,
     "decode_attention": _decode_cases,
@@ -201,6 +223,7 @@ SUITE = {
     "rms_norm+residual": lambda *a: _norm_cases(*a, residual=True),
     "rotary": _rotary_cases,
     "silu_and_mul": _silu_cases,
+    "grouped_int_gemm": _grouped_int_gemm_cases,
 }
 
 
