@@ -108,3 +108,27 @@ def test_smollm2_gguf_kept_quantized_matches_dequantized():
         for token, entry in b.items():
             assert abs(a[token][0] - entry[0]) < 1e-4
     assert outs["gguf bytes"] < outs["none bytes"] / 4  # 4-bit blocks and the Q8_0 table
+
+
+def test_w8a8_int_mm_path_equals_the_grouped_kernel_path(monkeypatch):
+    """The CUDA path (torch._int_mm, int32 accumulation) and the CPU one (int8 weights
+    through the grouped kernel, float accumulation) compute the same W8A8 product."""
+    from heron.layers.linear import ReplicatedLinear
+    from heron.quant.methods import activation_quant
+    from heron.quant.methods.activation_quant import W8A8Int8Method
+
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randint(-128, 128, (48, 64), generator=gen, dtype=torch.int8)
+    scale = torch.rand(48, 1, generator=gen) * 0.01
+    x = torch.randn(5, 64, generator=gen)
+    outputs = []
+    for fast in (False, True):
+        monkeypatch.setattr(activation_quant, "int_mm_is_fast", lambda w, fast=fast: fast)
+        layer = ReplicatedLinear(64, 48)
+        layer.set_quant_method(W8A8Int8Method("channel", "dynamic"), torch.float32)
+        layer.load_weight(layer.weight, weight)
+        layer.load_weight(layer.weight_scale, scale)
+        layer.quant_method.process_weights_after_loading(layer)
+        assert layer.use_int_mm is fast
+        outputs.append(layer(x))
+    torch.testing.assert_close(outputs[0], outputs[1], rtol=1e-5, atol=1e-5)

@@ -25,6 +25,11 @@ FP8_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
 _TILE_FLOATS = 1 << 22  # weight elements dequantized at once by the FP8 emulation
 
 
+def int_mm_is_fast(weight: torch.Tensor) -> bool:
+    """torch._int_mm has a fast kernel on CUDA only (on CPU it is a naive loop)."""
+    return weight.is_cuda
+
+
 def _scale_params(layer, strategy: str, with_zero_point: bool) -> None:
     """weight_scale (and weight_zero_point): (N, 1) per channel, one per shard per tensor."""
     if strategy == "channel":
@@ -92,7 +97,7 @@ class W8A8Int8Method(LinearMethod):
             zero = _row_values(layer, layer.weight_zero_point.data, self.strategy)
         w = layer.weight.data
         layer.static_input_scale = _static_input_scale(layer)
-        layer.use_int_mm = w.is_cuda and not bool(zero.any())
+        layer.use_int_mm = int_mm_is_fast(w) and not bool(zero.any())
         if layer.use_int_mm:
             layer.weight_t, layer.row_scale = w.t(), scale  # (K, N) for _int_mm
             layer.grouped = None
