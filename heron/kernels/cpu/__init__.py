@@ -1,7 +1,8 @@
-"""heron's C++ CPU kernels (paged attention: decode, and any mix of ragged query chunks),
-compiled once per machine.
+"""heron's C++ CPU kernels (paged attention: decode, and any mix of ragged query chunks; the
+weight-only quantized linear layer over ``heron.quant.int_layout``), compiled once per machine.
 
-``load()`` builds ``paged_attention.cpp`` (and the headers next to it) with torch's extension
+``load()`` builds ``paged_attention.cpp`` and ``quant_linear.cpp`` (and the headers next to
+them) into one library with torch's extension
 builder (ninja + the system C++ compiler, cached under ``TORCH_EXTENSIONS_DIR`` or
 ``~/.cache/torch_extensions``) and registers ``torch.ops.heron_cpu.*``. Without a compiler it
 returns False once, with a warning, and callers keep the reference torch path.
@@ -18,7 +19,7 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 _DIR = Path(__file__).parent
-_SOURCE = _DIR / "paged_attention.cpp"
+_SOURCES = [_DIR / "paged_attention.cpp", _DIR / "quant_linear.cpp"]
 
 
 def _headers_digest() -> str:
@@ -32,17 +33,18 @@ def _headers_digest() -> str:
 
 @functools.cache
 def load() -> bool:
-    """True when ``torch.ops.heron_cpu.paged_attention`` and ``paged_decode_attention`` are
-    available."""
+    """True when ``torch.ops.heron_cpu.paged_attention``, ``paged_decode_attention`` and
+    ``quant_linear`` are available."""
     try:
         from torch.utils import cpp_extension
 
-        cpp_extension.load(name="heron_cpu", sources=[str(_SOURCE)], is_python_module=False,
+        cpp_extension.load(name="heron_cpu", sources=[str(s) for s in _SOURCES],
+                           is_python_module=False,
                            extra_cflags=["-O3", "-march=native", "-fopenmp",
                                          f"-DHERON_CPU_HEADERS={_headers_digest()}"],
                            extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as exc:  # noqa: BLE001 - no compiler, no ninja: fall back, say why once
-        logger.warning("heron's CPU attention kernel is unavailable (%s); using the reference "
+        logger.warning("heron's CPU kernels are unavailable (%s); using the reference "
                        "torch path", str(exc).strip().splitlines()[0] if str(exc) else exc)
         return False
     return True

@@ -1,0 +1,124 @@
+// heron's CPU weight-only quantized linear layer: y = x @ dequantize(weight).T for heron's
+// grouped integer weight (heron/quant/int_layout.py), without materializing the float weight.
+//
+// Layout: values q[n, k] in [0, 2^bits) for out feature n < N, in feature k < K; group
+// g = k / group_size has scale scales[n, g] and offset mins[n, g] (float32, (N, G)), so
+// w[n, k] = q[n, k] * scales[n, g] + mins[n, g]. qweight is uint8: for bits <= 4 (N, K / 2),
+// where the 4 bytes of each run of 8 values hold values j (low nibble) and j + 4 (high nibble)
+// in byte j; for 5..8 bits (N, K), one value per byte. K and group_size are multiples of 8.
+//
+// quant_linear(x (M, K) float32, qweight, scales, mins, group_size, bits) -> y (M, N) float32.
+//
+// Up to kGemvMaxRows rows of x (decode), a GEMV (quant_linear.h): threads split the output
+// features, each weight byte is read from memory once and each run of 8 values, turned into
+// floats, serves up to 8 rows of x. For M = 1 the group scale multiplies a group's partial
+// dot product once and the offsets come from x's group sums:
+//   y[n] = sum_g scales[n, g] * (x_g . q[n]_g) + mins[n, g] * sum(x_g).
+// Larger M (prefill): x is transposed into strips of 16 rows once, tiles of 48 output features
+// are dequantized into a per-thread float buffer that stays in L2, and a register-tiled GEMM
+// (6 features x 16 rows, 12 accumulators) multiplies them; measured faster than dequantizing
+// for MKL's sgemm and on par with or faster than oneDNN on the float32 weight.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+#include "quant_linear.h"
+
+namespace {
+
+using namespace heron_cpu;
+using namespace heron_cpu::quant;
+
+// Up to kGemvMaxRows rows of x the GEMV beats dequantize + GEMM (measured on AVX2).
+constexpr int64_t kGemvMaxRows = 12;
+
+template <bool kNibbles>
+void gemv(const Operands& o) {
+  const int64_t blocks = (o.N + kBlockRows - 1) / kBlockRows;
+  const int64_t grain = std::max<int64_t>(1, 16384 / (kBlockRows * o.K * o.M));
+  at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t n0 = b * kBlockRows;
+      gemv_block<kNibbles>(o, n0, std::min(kBlockRows, o.N - n0));
+    }
+  });
+}
+
+template <bool kNibbles>
+void dequantize_gemm(const Operands& o) {
+  constexpr int64_t kTile = 48;  // output features dequantized at a time: 4 x 12 or 8 x 6
+  std::vector<float> strips((o.M + kLanes - 1) / kLanes * kLanes * o.K);
+  pack_strips(o.x, o.M, o.K, strips.data());
+  const int64_t tiles = (o.N + kTile - 1) / kTile;
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> w(kTile * o.K);
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t n0 = t * kTile, rows = std::min(kTile, o.N - n0);
+      dequantize_rows<kNibbles>(o, n0, rows, w.data());
+      gemm_tile(o, strips.data(), w.data(), n0, rows);
+    }
+  });
+}
+
+at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                        const at::Tensor& mins, int64_t group_size, int64_t bits) {
+  TORCH_CHECK(bits >= 2 && bits <= 8, "quant_linear: bits must be in 2..8, got ", bits);
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "quant_linear: x must be a 2-D "
+              "float32 tensor (M, K), got ", x.scalar_type(), " of shape ", x.sizes());
+  TORCH_CHECK(qweight.dim() == 2 && qweight.scalar_type() == at::kByte && qweight.is_contiguous(),
+              "quant_linear: qweight must be a contiguous 2-D uint8 tensor");
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && mins.scalar_type() == at::kFloat &&
+                  scales.is_contiguous() && mins.is_contiguous(),
+              "quant_linear: scales and mins must be contiguous float32 tensors");
+  const int64_t M = x.size(0), K = x.size(1), N = qweight.size(0);
+  TORCH_CHECK(K % 8 == 0, "quant_linear: in features (", K, ") must be a multiple of 8");
+  TORCH_CHECK(group_size > 0 && group_size % 8 == 0 && K % group_size == 0,
+              "quant_linear: group_size (", group_size, ") must be a multiple of 8 dividing K (",
+              K, ")");
+  const bool nibbles = bits <= 4;
+  const int64_t q_stride = nibbles ? K / 2 : K, G = K / group_size;
+  TORCH_CHECK(qweight.size(1) == q_stride, "quant_linear: qweight of ", bits,
+              "-bit values for K = ", K, " must be (N, ", q_stride, "), got ", qweight.sizes());
+  TORCH_CHECK(scales.dim() == 2 && scales.size(0) == N && scales.size(1) == G &&
+                  mins.sizes() == scales.sizes(),
+              "quant_linear: scales and mins must be (N, K / group_size) = (", N, ", ", G,
+              "), got ", scales.sizes(), " and ", mins.sizes());
+  const auto xc = x.contiguous();
+  auto y = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return y;
+  if (K == 0) return y.zero_();
+  std::vector<float> x_sums;
+  Operands o{xc.data_ptr<float>(), qweight.data_ptr<uint8_t>(), scales.data_ptr<float>(),
+             mins.data_ptr<float>(), nullptr, y.data_ptr<float>(), M, N, K, G, group_size,
+             q_stride};
+  if (M <= kGemvMaxRows) {
+    if (M == 1) {
+      x_sums.resize(G);
+      for (int64_t g = 0; g < G; ++g) {
+        vfloat acc{};
+        for (int64_t k = g * group_size; k < (g + 1) * group_size; k += kLanes)
+          acc += load(o.x + k);
+        x_sums[g] = hsum(acc);
+      }
+      o.x_sums = x_sums.data();
+    }
+    nibbles ? gemv<true>(o) : gemv<false>(o);
+  } else {
+    nibbles ? dequantize_gemm<true>(o) : dequantize_gemm<false>(o);
+  }
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(heron_cpu, m) {
+  m.def("quant_linear(Tensor x, Tensor qweight, Tensor scales, Tensor mins, int group_size, "
+        "int bits) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(heron_cpu, CPU, m) { m.impl("quant_linear", &quant_linear); }

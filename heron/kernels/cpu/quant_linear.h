@@ -1,0 +1,312 @@
+// The inner loops of heron's quantized linear layer (quant_linear.cpp) over the grouped
+// integer layout: the decode GEMV for a block of output features, and the prefill GEMM.
+// No torch dependency (a plain C++ harness can time them).
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#include "simd.h"
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+namespace heron_cpu {
+namespace quant {
+
+typedef uint32_t vuint __attribute__((vector_size(32)));
+typedef uint8_t vbyte8 __attribute__((vector_size(8), aligned(1), may_alias));
+typedef float vfloat4 __attribute__((vector_size(16)));
+
+// Bytes holding one run of 8 values.
+template <bool kNibbles>
+constexpr int64_t kRunBytes = kNibbles ? 4 : 8;
+
+// The run of 8 values at p as floats.
+template <bool kNibbles>
+inline vfloat values8(const uint8_t* p);
+
+template <>
+inline vfloat values8<true>(const uint8_t* p) {
+  uint32_t word;
+  std::memcpy(&word, p, sizeof(word));
+  const vuint shifts = {0, 8, 16, 24, 4, 12, 20, 28};
+  const vuint v = (vuint{} + word) >> shifts & 0xF;
+  return __builtin_convertvector(__builtin_bit_cast(vint, v), vfloat);
+}
+
+template <>
+inline vfloat values8<false>(const uint8_t* p) {
+#if defined(__AVX2__)
+  // GCC scalarizes the generic widening below; this is one vpmovzxbd.
+  const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return __builtin_bit_cast(vfloat, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b)));
+#else
+  const vbyte8 b = *reinterpret_cast<const vbyte8*>(p);
+  return __builtin_convertvector(__builtin_convertvector(b, vint), vfloat);
+#endif
+}
+
+// The sum of the lanes, as a tree (a short dependency chain).
+inline float hsum(vfloat v) {
+  const vfloat4 s = vfloat4{v[0], v[1], v[2], v[3]} + vfloat4{v[4], v[5], v[6], v[7]};
+  return (s[0] + s[2]) + (s[1] + s[3]);
+}
+
+// The call's operands as raw pointers (all contiguous).
+struct Operands {
+  const float* x;       // (M, K)
+  const uint8_t* q;     // (N, q_stride)
+  const float* scales;  // (N, G)
+  const float* mins;    // (N, G)
+  const float* x_sums;  // (G,) for M = 1: x summed over each group
+  float* y;             // (M, N)
+  int64_t M, N, K, G, group_size, q_stride;
+};
+
+// sum_i a[i] * b[i].
+inline float dot(const float* a, const float* b, int64_t n) {
+  vfloat acc{};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) acc += load(a + i) * load(b + i);
+  float s = hsum(acc);
+  for (; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+// One row of x (decode, M = 1) times R output features from n0, by
+//   y = sum_g scales[g] (x_g . q_g) + mins . x_sums:
+// within a group the accumulators gather x * q (plain FMAs on the converted values) and are
+// scaled once; the offsets are one dot product with x's group sums at the end. kSets sets of
+// accumulators take turns over a group's runs, so R * kSets FMA chains hide the latency.
+template <bool kNibbles, int R, int kSets>
+void gemv_one_row(const Operands& o, int64_t n0) {
+  constexpr int64_t kStep = kRunBytes<kNibbles>;
+  const int64_t runs = o.group_size / kLanes;
+  const uint8_t* q[R];
+  for (int r = 0; r < R; ++r) q[r] = o.q + (n0 + r) * o.q_stride;
+  const float* scales = o.scales + n0 * o.G;
+  vfloat total[R] = {};
+  const float* x = o.x;
+  for (int64_t g = 0; g < o.G; ++g) {
+    vfloat acc[kSets][R] = {};
+    int64_t c = 0;
+    for (; c + kSets <= runs; c += kSets) {
+      for (int s = 0; s < kSets; ++s, x += kLanes) {
+        const vfloat xv = load(x);
+        for (int r = 0; r < R; ++r) {
+          acc[s][r] += values8<kNibbles>(q[r]) * xv;
+          q[r] += kStep;
+        }
+      }
+    }
+    for (; c < runs; ++c, x += kLanes) {  // runs left over by the sets
+      const vfloat xv = load(x);
+      for (int r = 0; r < R; ++r) {
+        acc[0][r] += values8<kNibbles>(q[r]) * xv;
+        q[r] += kStep;
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      vfloat sum = acc[0][r];
+      for (int s = 1; s < kSets; ++s) sum += acc[s][r];
+      total[r] += splat(scales[r * o.G + g]) * sum;
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    o.y[n0 + r] = hsum(total[r]) + dot(o.mins + (n0 + r) * o.G, o.x_sums, o.G);
+}
+
+// MT rows of x from m0 times R output features from n0: each run of 8 values is dequantized
+// once (q * scale + min) and multiplies all MT rows.
+template <bool kNibbles, int MT, int R>
+void gemv_tile(const Operands& o, int64_t m0, int64_t n0) {
+  constexpr int64_t kStep = kRunBytes<kNibbles>;
+  const int64_t runs = o.group_size / kLanes;
+  const uint8_t* q[R];
+  for (int r = 0; r < R; ++r) q[r] = o.q + (n0 + r) * o.q_stride;
+  const float* scales = o.scales + n0 * o.G;
+  const float* mins = o.mins + n0 * o.G;
+  const float* x = o.x + m0 * o.K;
+  vfloat acc[MT][R] = {};
+  for (int64_t g = 0, k = 0; g < o.G; ++g) {
+    vfloat s[R], z[R];
+    for (int r = 0; r < R; ++r) {
+      s[r] = splat(scales[r * o.G + g]);
+      z[r] = splat(mins[r * o.G + g]);
+    }
+    for (int64_t c = 0; c < runs; ++c, k += kLanes) {
+      vfloat w[R];
+      for (int r = 0; r < R; ++r) {
+        w[r] = values8<kNibbles>(q[r]) * s[r] + z[r];
+        q[r] += kStep;
+      }
+      for (int m = 0; m < MT; ++m) {
+        const vfloat xv = load(x + m * o.K + k);
+        for (int r = 0; r < R; ++r) acc[m][r] += w[r] * xv;
+      }
+    }
+  }
+  for (int m = 0; m < MT; ++m)
+    for (int r = 0; r < R; ++r) o.y[(m0 + m) * o.N + n0 + r] = hsum(acc[m][r]);
+}
+
+// Output features per gemv_tile for MT rows of x. More rows share each load of x, but the
+// hardware prefetcher follows interleaved weight rows badly (measured: one row at a time is
+// fastest for the 8-bit layout, two for 4-bit, whose values cost more to unpack).
+template <bool kNibbles, int MT>
+constexpr int kTileRows = kNibbles && MT <= 6 ? 2 : 1;
+
+// Rows m0 .. m0 + MT of x times output features n0 .. n0 + rows.
+template <bool kNibbles, int MT>
+void gemv_rows(const Operands& o, int64_t m0, int64_t n0, int64_t rows) {
+  constexpr int R = kTileRows<kNibbles, MT>;
+  int64_t r = 0;
+  for (; r + R <= rows; r += R) gemv_tile<kNibbles, MT, R>(o, m0, n0 + r);
+  for (; r < rows; ++r) gemv_tile<kNibbles, MT, 1>(o, m0, n0 + r);
+}
+
+// Output features n0 .. n0 + rows for one row of x, R at a time.
+template <bool kNibbles, int R, int kSets>
+void one_rows(const Operands& o, int64_t n0, int64_t rows) {
+  int64_t r = 0;
+  for (; r + R <= rows; r += R) gemv_one_row<kNibbles, R, kSets>(o, n0 + r);
+  for (; r < rows; ++r) gemv_one_row<kNibbles, 1, kSets>(o, n0 + r);
+}
+
+constexpr int64_t kMaxTileM = 8;  // rows of x one gemv_tile multiplies
+constexpr int64_t kBlockRows = 8;  // output features per gemv_block
+
+// Every row of x times output features n0 .. n0 + rows (rows <= kBlockRows, a block whose
+// weights stay in L1 while tiles of up to kMaxTileM rows of x pass over them).
+template <bool kNibbles>
+void gemv_block(const Operands& o, int64_t n0, int64_t rows) {
+  if (o.M == 1) {
+    // Few weight rows at a time keep the reads close to one sequential stream (the hardware
+    // prefetcher loses track of more): two for 4-bit, one for the 8-bit layout (twice the
+    // bytes per value), with as many sets of accumulators as a group's runs fill (measured).
+    const int64_t runs = o.group_size / kLanes;
+    if constexpr (kNibbles) {
+      runs >= 2 ? one_rows<kNibbles, 2, 2>(o, n0, rows) : one_rows<kNibbles, 2, 1>(o, n0, rows);
+    } else {
+      runs >= 4   ? one_rows<kNibbles, 1, 4>(o, n0, rows)
+      : runs >= 2 ? one_rows<kNibbles, 1, 2>(o, n0, rows)
+                  : one_rows<kNibbles, 1, 1>(o, n0, rows);
+    }
+    return;
+  }
+  const int64_t tiles = (o.M + kMaxTileM - 1) / kMaxTileM;
+  for (int64_t t = 0, m0 = 0; t < tiles; ++t) {
+    const int64_t mt = (o.M - m0) / (tiles - t);  // near-equal tiles
+    switch (mt) {
+      case 1: gemv_rows<kNibbles, 1>(o, m0, n0, rows); break;
+      case 2: gemv_rows<kNibbles, 2>(o, m0, n0, rows); break;
+      case 3: gemv_rows<kNibbles, 3>(o, m0, n0, rows); break;
+      case 4: gemv_rows<kNibbles, 4>(o, m0, n0, rows); break;
+      case 5: gemv_rows<kNibbles, 5>(o, m0, n0, rows); break;
+      case 6: gemv_rows<kNibbles, 6>(o, m0, n0, rows); break;
+      case 7: gemv_rows<kNibbles, 7>(o, m0, n0, rows); break;
+      default: gemv_rows<kNibbles, 8>(o, m0, n0, rows); break;
+    }
+    m0 += mt;
+  }
+}
+
+// Output features n0 .. n0 + rows as a float (rows, K) matrix.
+template <bool kNibbles>
+void dequantize_rows(const Operands& o, int64_t n0, int64_t rows, float* out) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t n = n0 + r;
+    const uint8_t* q = o.q + n * o.q_stride;
+    float* w = out + r * o.K;
+    for (int64_t g = 0, k0 = 0; g < o.G; ++g, k0 += o.group_size) {
+      const vfloat s = splat(o.scales[n * o.G + g]), z = splat(o.mins[n * o.G + g]);
+      for (int64_t k = k0; k < k0 + o.group_size; k += kLanes)
+        store(w + k, values8<kNibbles>(q + k / kLanes * kRunBytes<kNibbles>) * s + z);
+    }
+  }
+}
+
+// ---- Prefill: x transposed into strips of 16 (or, last, 8) rows, weights dequantized into
+// row tiles, and a register-tiled GEMM over them: 6 output features x 16 rows of x (or
+// 12 x 8), 12 accumulators. ----
+
+constexpr int64_t kStrip = 16;  // rows of x per strip (two vectors)
+
+// Rows of x in the strip starting at row m0: 16, or 8 for a last strip of 8 or fewer.
+inline int64_t strip_width(int64_t M, int64_t m0) { return M - m0 > kLanes ? kStrip : kLanes; }
+
+// x in strips, transposed: the strip of width S at row m0 holds
+// strips[m0 * K + k * S + i] = x[m0 + i, k] (zero past M). strips: ceil(M / 8) * 8 * K floats.
+inline void pack_strips(const float* x, int64_t M, int64_t K, float* strips) {
+  for (int64_t m0 = 0; m0 < M;) {
+    const int64_t width = strip_width(M, m0), rows = std::min(width, M - m0);
+    float* s = strips + m0 * K;
+    for (int64_t k = 0; k < K; ++k)
+      for (int64_t i = 0; i < width; ++i) s[k * width + i] = i < rows ? x[(m0 + i) * K + k] : 0.f;
+    m0 += width;
+  }
+}
+
+// y[i, r] (row stride ldy) for i < rows, r < NF: strip (K, 8 V) times NF dequantized weight
+// rows w (row stride K).
+template <int V, int NF>
+void strip_kernel(const float* strip, const float* w, int64_t K, float* y, int64_t ldy,
+                  int64_t rows) {
+  vfloat acc[NF][V] = {};
+  for (int64_t k = 0; k < K; ++k) {
+    vfloat xv[V];
+    for (int v = 0; v < V; ++v) xv[v] = load(strip + (k * V + v) * kLanes);
+    for (int r = 0; r < NF; ++r) {
+      const vfloat wv = splat(w[r * K + k]);
+      for (int v = 0; v < V; ++v) acc[r][v] += wv * xv[v];
+    }
+  }
+  for (int r = 0; r < NF; ++r)
+    for (int64_t i = 0; i < rows; ++i) y[i * ldy + r] = acc[r][i / kLanes][i % kLanes];
+}
+
+// One strip (V vectors wide) times `count` (< 12 / V) weight rows.
+template <int V>
+void strip_tail(const float* strip, const float* w, int64_t K, float* y, int64_t ldy,
+                int64_t rows, int64_t count) {
+#define HERON_STRIP_CASE(n) \
+  case n: if constexpr (n * V < 12) strip_kernel<V, n>(strip, w, K, y, ldy, rows); break;
+  switch (count) {
+    HERON_STRIP_CASE(1) HERON_STRIP_CASE(2) HERON_STRIP_CASE(3) HERON_STRIP_CASE(4)
+    HERON_STRIP_CASE(5) HERON_STRIP_CASE(6) HERON_STRIP_CASE(7) HERON_STRIP_CASE(8)
+    HERON_STRIP_CASE(9) HERON_STRIP_CASE(10) HERON_STRIP_CASE(11)
+    default: break;
+  }
+#undef HERON_STRIP_CASE
+}
+
+// Every row of x (as strips) times output features n0 .. n0 + rows, whose dequantized
+// weights are w (rows, K).
+template <int V>
+void gemm_strip(const Operands& o, const float* strip, const float* w, int64_t n0,
+                int64_t rows, float* y, int64_t mrows) {
+  constexpr int NF = 12 / V;
+  int64_t r = 0;
+  for (; r + NF <= rows; r += NF) strip_kernel<V, NF>(strip, w + r * o.K, o.K, y + r, o.N, mrows);
+  if (r < rows) strip_tail<V>(strip, w + r * o.K, o.K, y + r, o.N, mrows, rows - r);
+}
+
+inline void gemm_tile(const Operands& o, const float* strips, const float* w, int64_t n0,
+                      int64_t rows) {
+  for (int64_t m0 = 0; m0 < o.M;) {
+    const int64_t width = strip_width(o.M, m0), mrows = std::min(width, o.M - m0);
+    const float* strip = strips + m0 * o.K;
+    float* y = o.y + m0 * o.N + n0;
+    if (width == kStrip)
+      gemm_strip<2>(o, strip, w, n0, rows, y, mrows);
+    else
+      gemm_strip<1>(o, strip, w, n0, rows, y, mrows);
+    m0 += width;
+  }
+}
+
+}  // namespace quant
+}  // namespace heron_cpu
