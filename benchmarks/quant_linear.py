@@ -9,9 +9,9 @@ rows, oneDNN's packed weight (``torch.ops.mkldnn._reorder_linear_weight`` +
 ``_linear_pointwise``) above. Quantized formats: 4-bit groups of 32, 64 and 128 (128 only
 where it divides K: not 576), 8-bit per channel, 6-bit groups of 16. Every format cycles
 through enough copies of its weight to overflow the last-level cache (``--working-set`` MiB),
-so weights come from memory as in a real forward. The variants take turns, one pass over their copies each, ``--reps`` times;
-prints the median microseconds per call and each format's speed-up over float32 (> 1:
-faster), then one JSON line.
+so weights come from memory as in a real forward. The variants take turns, one pass over
+their copies each, ``--reps`` times; prints the median microseconds per call and each
+format's speed-up over float32 (> 1: faster), then one JSON line.
 """
 
 from __future__ import annotations

@@ -17,8 +17,15 @@ from heron.quant.intgrid import rtn_quantize
 from heron.quant.quantize import QuantizeOptions, format_of, quantize_model
 from heron.quant.smoothquant import AbsMax, int8_channel_quantize, smooth_scales
 
-torch.set_num_threads(1)
 HIDDEN, INTER, VOCAB = 64, 128, 256
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def _correlated_inputs(rows: int, k: int, seed: int = 0) -> torch.Tensor:
