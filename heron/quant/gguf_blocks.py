@@ -21,7 +21,11 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType as T
+
+try:  # HF directories load without the gguf package; only decoding needs it
+    from gguf import GGMLQuantizationType as T
+except ImportError:  # pragma: no cover - exercised by the offline-dependencies test
+    T = None
 
 
 @dataclass
@@ -135,8 +139,8 @@ def _q6_k(data):
     return DecodedRows(q.reshape(q.shape[0], -1), scales, -32.0 * scales, 16, 6)
 
 
-DECODERS = {T.Q8_0: _q8_0, T.Q4_0: _q4_0, T.Q4_1: _q4_1, T.Q4_K: _q4_k, T.Q5_K: _q5_k,
-            T.Q6_K: _q6_k}
+DECODERS = {} if T is None else {T.Q8_0: _q8_0, T.Q4_0: _q4_0, T.Q4_1: _q4_1,
+                                 T.Q4_K: _q4_k, T.Q5_K: _q5_k, T.Q6_K: _q6_k}
 
 
 def can_keep_quantized(tensor_type) -> bool:
