@@ -18,29 +18,27 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from heron.quant.gptq import HessianAccumulator
 from heron.quant.intgrid import rtn_quantize
 
 
-class InputStats:
-    """Per-channel mean |x| and the second moment X^T X / n over every row seen. The
-    search's output error mean((X D^T)^2) (D = Wq - W) is sum((D @ XtX) * D) / N: exact over
-    all calibration rows, at the cost of one K x K matrix."""
+class InputStats(HessianAccumulator):
+    """Per-channel mean |x| and the second moment X^T X / n (half GPTQ's running H) over
+    every row seen. The search's output error mean((X D^T)^2) (D = Wq - W) is
+    sum((D @ XtX) * D) / N: exact over all calibration rows, at the cost of one K x K matrix."""
 
     def __init__(self, in_features: int):
+        super().__init__(in_features)
         self.abs_sum = torch.zeros(in_features, dtype=torch.float64)
-        self.xtx = torch.zeros(in_features, in_features, dtype=torch.float32)
-        self.n = 0
 
     def add(self, x: torch.Tensor) -> None:
         x = x.reshape(-1, x.shape[-1]).to(torch.float32)
-        m = x.shape[0]
-        if m == 0:
-            return
         self.abs_sum += x.abs().sum(dim=0, dtype=torch.float64)
-        self.xtx *= self.n / (self.n + m)
-        self.n += m
-        x = x / self.n ** 0.5
-        self.xtx.addmm_(x.t(), x)
+        super().add(x)
+
+    @property
+    def xtx(self) -> torch.Tensor:
+        return self.H / 2
 
     @property
     def mean_abs(self) -> torch.Tensor:
