@@ -61,9 +61,7 @@ class CpuAttentionBackend:
         output (T, H, D), contiguous.
         """
         key_cache, value_cache = kv_cache[0], kv_cache[1]
-        num_kv_heads, head_dim = k.shape[1], k.shape[2]
-        key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, md.slot_mapping, k)
-        value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, md.slot_mapping, v)
+        torch.ops.heron_cpu.write_kv(k, v, key_cache, value_cache, md.slot_mapping)
         if md.tree_masks and md.tree_rows(sliding_window):
             return self._forward_with_trees(q, key_cache, value_cache, md, scale)
         # request i: queries query_start_loc[i]:[i + 1], the last of its seq_lens[i] tokens

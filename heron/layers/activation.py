@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from heron.layers.dispatch import triton_ops_enabled
+from heron.layers.dispatch import cpu_ops_enabled, triton_ops_enabled
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -14,5 +14,7 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
         from heron.kernels.activation import silu_and_mul as silu_and_mul_kernel
 
         return silu_and_mul_kernel(gate_up)
+    if cpu_ops_enabled(gate_up) and gate_up.dim() == 2:
+        return torch.ops.heron_cpu.silu_and_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up

@@ -1,4 +1,5 @@
-"""RMSNorm: normalise in float32, cast back, then scale (HF Llama's order of operations)."""
+"""RMSNorm: normalise in float32, cast back, then scale (HF Llama's order of operations); on
+CPU float32 one C++ call (``heron.kernels.cpu``), the residual add fused in."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from heron.layers.dispatch import triton_ops_enabled
+from heron.layers.dispatch import cpu_ops_enabled, triton_ops_enabled
 
 
 class RMSNorm(nn.Module):
@@ -23,6 +24,10 @@ class RMSNorm(nn.Module):
             from heron.kernels.rmsnorm import rms_norm
 
             return rms_norm(x, self.weight, self.eps, residual)
+        if cpu_ops_enabled(x) and x.dim() == 2:
+            if residual is None:
+                return torch.ops.heron_cpu.rms_norm(x, self.weight, self.eps)
+            return torch.ops.heron_cpu.add_rms_norm(x, residual, self.weight, self.eps)
         if residual is None:
             return self._norm(x)
         x = x + residual

@@ -7,7 +7,7 @@ import math
 import torch
 from torch import nn
 
-from heron.layers.dispatch import triton_ops_enabled
+from heron.layers.dispatch import cpu_ops_enabled, triton_ops_enabled
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
@@ -48,6 +48,9 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
         from heron.kernels.rotary import apply_rotary as apply_rotary_kernel
 
         return apply_rotary_kernel(x, cos, sin)
+    if cpu_ops_enabled(x) and x.dim() == 3 and cos.dtype == torch.float32:
+        t = x.shape[0]
+        return torch.ops.heron_cpu.rotary(x, cos.reshape(t, -1), sin.reshape(t, -1))
     return x * cos + _rotate_half(x) * sin
 
 

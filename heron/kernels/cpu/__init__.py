@@ -1,8 +1,9 @@
 """heron's C++ CPU kernels (paged attention: decode, and any mix of ragged query chunks; the
-weight-only quantized linear layer over ``heron.quant.int_layout``), compiled once per machine.
+weight-only quantized linear layer over ``heron.quant.int_layout``; a layer's small ops:
+RMSNorm, rotary, SiLU-and-mul, the KV-cache write), compiled once per machine.
 
-``load()`` builds ``paged_attention.cpp`` and ``quant_linear.cpp`` (and the headers next to
-them) into one library with torch's extension
+``load()`` builds ``paged_attention.cpp``, ``quant_linear.cpp`` and ``small_ops.cpp`` (and the
+headers next to them) into one library with torch's extension
 builder (ninja + the system C++ compiler, cached under ``TORCH_EXTENSIONS_DIR`` or
 ``~/.cache/torch_extensions``) and registers ``torch.ops.heron_cpu.*``. Without a compiler it
 returns False once, with a warning, and callers keep the reference torch path.
@@ -19,7 +20,7 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 _DIR = Path(__file__).parent
-_SOURCES = [_DIR / "paged_attention.cpp", _DIR / "quant_linear.cpp"]
+_SOURCES = [_DIR / "paged_attention.cpp", _DIR / "quant_linear.cpp", _DIR / "small_ops.cpp"]
 
 
 def _headers_digest() -> str:
@@ -33,8 +34,8 @@ def _headers_digest() -> str:
 
 @functools.cache
 def load() -> bool:
-    """True when ``torch.ops.heron_cpu.paged_attention``, ``paged_decode_attention`` and
-    ``quant_linear`` are available."""
+    """True when ``torch.ops.heron_cpu.*`` (paged attention, ``quant_linear``, the small ops of
+    ``small_ops.cpp``) are available."""
     try:
         from torch.utils import cpp_extension
 
