@@ -45,21 +45,30 @@ def _op(x: torch.Tensor, w: GroupedIntWeight) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("bits", range(2, 9))
-def test_pack_unpack_round_trip(bits):
-    q = torch.randint(0, 1 << bits, (5, 48), dtype=torch.int32)
+@pytest.mark.parametrize("k", [48, 64, 136])  # a partial chunk, one chunk, two and a part
+def test_pack_unpack_round_trip(bits, k):
+    q = torch.randint(0, 1 << bits, (5, k), dtype=torch.int32)
     packed = pack_values(q, bits)
     assert packed.dtype == torch.uint8
-    assert packed.shape == ((5, 24) if bits <= 4 else (5, 48))
-    assert torch.equal(unpack_values(packed, bits, 48).long(), q.long())
+    assert packed.shape == ((5, -(-k // 64) * 32) if bits <= 4 else (5, k))
+    assert torch.equal(unpack_values(packed, bits, k).long(), q.long())
 
 
 def test_nibble_layout_is_the_documented_one():
-    q = torch.arange(16).reshape(1, 16)  # two runs of 8
+    q = torch.randint(0, 16, (1, 128))  # two chunks of 64
     packed = pack_values(q, 4)[0].tolist()
-    # byte j of run c: value 8c + j in the low nibble, 8c + j + 4 in the high one
-    assert packed == [0x40, 0x51, 0x62, 0x73, 0xC8, 0xD9, 0xEA, 0xFB]
-    word = int.from_bytes(bytes(packed[:4]), "little")
-    assert [(word >> s) & 0xF for s in (0, 8, 16, 24, 4, 12, 20, 28)] == list(range(8))
+    for c in range(2):
+        chunk = packed[32 * c:32 * (c + 1)]
+        # byte 4j + b: value 16b + j in the low nibble, 16b + 8 + j in the high one
+        for j in range(8):
+            for b in range(4):
+                byte = chunk[4 * j + b]
+                assert byte & 0xF == q[0, 64 * c + 16 * b + j]
+                assert byte >> 4 == q[0, 64 * c + 16 * b + 8 + j]
+        # word j, bits 4i .. 4i + 3: value 8i + j (run i is the chunk shifted by 4i)
+        words = [int.from_bytes(bytes(chunk[4 * j:4 * j + 4]), "little") for j in range(8)]
+        assert [(words[j] >> (4 * i)) & 0xF for i in range(8) for j in range(8)] == \
+            q[0, 64 * c:64 * (c + 1)].tolist()
 
 
 def test_dequantize_is_q_times_scale_plus_min():
@@ -109,6 +118,18 @@ def test_smollm2_width(m, bits, group):
     w = _weight(75, 576, bits, group, seed=m)
     x = torch.randn(m, 576)
     _check(_op(x, w), x, w)
+
+
+@pytest.mark.parametrize("k,group", [
+    (192, 8), (192, 16), (192, 32), (192, 64), (192, 192),  # the chunked GEMV, each group shape
+    (192, 24), (192, 48), (96, 32), (40, 8), (200, 40),  # the run-by-run GEMV: 64 does not fit
+])
+@pytest.mark.parametrize("bits", [3, 4])
+def test_every_decode_path_of_the_nibble_layout(k, group, bits):
+    w = _weight(21, k, bits, group, seed=k + group)
+    x = torch.randn(1, k)
+    _check(_op(x, w), x, w)
+    _check(_op(x.repeat(5, 1), w), x.repeat(5, 1), w)
 
 
 @pytest.mark.parametrize("bits", [4, 8])

@@ -1,9 +1,9 @@
 """Weight-only quantized GEMM in Triton (CUDA): y = x @ W^T for a ``GroupedIntWeight`` W
 (``heron.quant.int_layout``), dequantized tile by tile in registers, never in memory.
 
-W's values are uint8, one per byte (5..8 bits) or two per byte (<= 4 bits: within each run
-of 8 input features, byte j holds feature j in its low nibble and feature j + 4 in its high
-one); ``w[n, k] = q[n, k] * scales[n, k // G] + mins[n, k // G]``. Each program computes a
+W's values are uint8, one per byte (5..8 bits) or two per byte (<= 4 bits: in each chunk of
+64 input features, 32 bytes, byte 4j + b holds feature 16b + j in its low nibble and
+16b + 8 + j in its high one); ``w[n, k] = q[n, k] * scales[n, k // G] + mins[n, k // G]``. Each program computes a
 (BLOCK_M, BLOCK_N) tile of y, accumulating in float32 over BLOCK_K slices of the input.
 """
 
@@ -33,9 +33,10 @@ def _grouped_int_gemm_kernel(x_ptr, q_ptr, scales_ptr, mins_ptr, y_ptr, M, N, K,
         x = tl.load(x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + offs_k[None, :],
                     mask=m_mask[:, None] & k_mask[None, :], other=0.0)  # (BM, BK)
         w_mask = n_mask[:, None] & k_mask[None, :]
-        if PACKED:  # two 4-bit values per byte, interleaved by runs of 8
-            byte = (offs_k // 8) * 4 + offs_k % 4
-            shift = ((offs_k % 8) // 4) * 4
+        if PACKED:  # two 4-bit values per byte, in chunks of 64 (see the module docstring)
+            within = offs_k % 64
+            byte = (offs_k // 64) * 32 + (within % 8) * 4 + within // 16
+            shift = ((within // 8) % 2) * 4
             raw = tl.load(q_ptr + rows * row_bytes + byte[None, :], mask=w_mask, other=0)
             q = (raw.to(tl.int32) >> shift[None, :]) & 0xF
         else:

@@ -11,10 +11,12 @@ consecutive k, a float32 scale and offset (``scales``, ``mins``: (N, K // group_
 (an integer zero point z becomes ``mins = -z * scales``). K and ``group_size`` are multiples
 of 8 and ``group_size`` divides K (``group_size == K``: one group per row).
 
-``qweight`` stores q as uint8. For ``bits <= 4`` it is (N, K // 2): in each run of 8
-consecutive k (4 bytes), byte j holds ``q[8c + j]`` in its low nibble and ``q[8c + j + 4]``
-in its high nibble, so one 32-bit load shifted per lane by (0, 8, 16, 24, 4, 12, 20, 28) and
-masked with 0xF gives the 8 values in order. For 5..8 bits it is (N, K), one value a byte.
+``qweight`` stores q as uint8. For ``bits <= 4`` it is (N, ceil(K / 64) * 32): chunks of 64
+consecutive k in 32 bytes, read as 8 little-endian 32-bit words, where word j holds
+``q[64c + 8i + j]`` in bits 4i .. 4i + 3 (byte 4j + b: value 16b + j in its low nibble,
+16b + 8 + j in its high one; values past K are 0). One 32-byte load then yields a chunk's 8
+runs of 8 values, run i as the load shifted right by 4i and masked with 0xF: one shift and one
+AND per 8 values in the CPU kernel. For 5..8 bits it is (N, K), one value a byte.
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ import torch
 
 MIN_BITS, MAX_BITS = 2, 8
 NIBBLE_MAX_BITS = 4  # up to this width two values share a byte
-_RUN = 8  # values per packed run (4 bytes for nibbles)
+_RUN = 8  # values per run: in features and group sizes are multiples of it
+_CHUNK = 64  # values per nibble chunk (32 bytes: 8 words of 8 nibbles)
 _FALLBACK_TILE_FLOATS = 1 << 22  # the torch fallback dequantizes ~16 MiB of weights at a time
 
 
@@ -37,12 +40,12 @@ def _check_bits(bits: int) -> None:
 def packed_width(bits: int, k: int) -> int:
     """qweight's second dimension for ``k`` in features of ``bits``-bit values."""
     _check_bits(bits)
-    return k // 2 if bits <= NIBBLE_MAX_BITS else k
+    return -(-k // _CHUNK) * (_CHUNK // 2) if bits <= NIBBLE_MAX_BITS else k
 
 
 def pack_values(q: torch.Tensor, bits: int) -> torch.Tensor:
-    """q: integers (N, K) in [0, 2**bits), K a multiple of 8 -> qweight uint8 (N, K // 2) for
-    bits <= 4, (N, K) otherwise (see the module docstring)."""
+    """q: integers (N, K) in [0, 2**bits), K a multiple of 8 -> qweight uint8
+    (N, packed_width(bits, K)) (see the module docstring)."""
     _check_bits(bits)
     if q.dim() != 2:
         raise ValueError(f"values must be 2-D (out_features, in_features), got shape "
@@ -58,8 +61,11 @@ def pack_values(q: torch.Tensor, bits: int) -> torch.Tensor:
     v = q.to(torch.uint8)
     if bits > NIBBLE_MAX_BITS:
         return v.contiguous()
-    v = v.reshape(n, k // _RUN, 2, _RUN // 2)  # (run, low / high half, byte)
-    return (v[:, :, 0] | (v[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
+    chunks = -(-k // _CHUNK)
+    v = torch.nn.functional.pad(v, (0, chunks * _CHUNK - k))
+    v = v.reshape(n, chunks, _RUN // 2, 2, _RUN)  # (chunk, byte b, low / high nibble, word j)
+    return (v[:, :, :, 0] | (v[:, :, :, 1] << 4)).transpose(2, 3).reshape(n, chunks * 32) \
+        .contiguous()
 
 
 def unpack_values(qweight: torch.Tensor, bits: int, k: int) -> torch.Tensor:
@@ -76,8 +82,8 @@ def unpack_values(qweight: torch.Tensor, bits: int, k: int) -> torch.Tensor:
                          f"({n}, {packed_width(bits, k)}), got {tuple(qweight.shape)}")
     if bits > NIBBLE_MAX_BITS:
         return qweight.contiguous()
-    b = qweight.reshape(n, k // _RUN, 1, _RUN // 2)
-    return torch.cat([b & 0xF, b >> 4], dim=2).reshape(n, k)
+    b = qweight.reshape(n, -1, _RUN, 1, _RUN // 2).transpose(2, 4)  # (chunk, b, 1, j)
+    return torch.cat([b & 0xF, b >> 4], dim=3).reshape(n, -1)[:, :k]
 
 
 def _check_groups(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,

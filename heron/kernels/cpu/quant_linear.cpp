@@ -3,9 +3,10 @@
 //
 // Layout: values q[n, k] in [0, 2^bits) for out feature n < N, in feature k < K; group
 // g = k / group_size has scale scales[n, g] and offset mins[n, g] (float32, (N, G)), so
-// w[n, k] = q[n, k] * scales[n, g] + mins[n, g]. qweight is uint8: for bits <= 4 (N, K / 2),
-// where the 4 bytes of each run of 8 values hold values j (low nibble) and j + 4 (high nibble)
-// in byte j; for 5..8 bits (N, K), one value per byte. K and group_size are multiples of 8.
+// w[n, k] = q[n, k] * scales[n, g] + mins[n, g]. qweight is uint8: for bits <= 4
+// (N, ceil(K / 64) * 32), chunks of 64 values whose 32 bytes, read as 8 words, hold value
+// 8 i + j of the chunk in bits 4 i .. 4 i + 3 of word j (quant_linear.h); for 5..8 bits (N, K),
+// one value per byte. K and group_size are multiples of 8.
 //
 // quant_linear(x (M, K) float32, qweight, scales, mins, group_size, bits) -> y (M, N) float32.
 //
@@ -81,7 +82,7 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at
               "quant_linear: group_size (", group_size, ") must be a multiple of 8 dividing K (",
               K, ")");
   const bool nibbles = bits <= 4;
-  const int64_t q_stride = nibbles ? K / 2 : K, G = K / group_size;
+  const int64_t q_stride = row_bytes(nibbles, K), G = K / group_size;
   TORCH_CHECK(qweight.size(1) == q_stride, "quant_linear: qweight of ", bits,
               "-bit values for K = ", K, " must be (N, ", q_stride, "), got ", qweight.sizes());
   TORCH_CHECK(scales.dim() == 2 && scales.size(0) == N && scales.size(1) == G &&

@@ -17,28 +17,42 @@ namespace heron_cpu {
 namespace quant {
 
 typedef uint32_t vuint __attribute__((vector_size(32)));
+typedef uint32_t vuint_u __attribute__((vector_size(32), aligned(1), may_alias));
 typedef uint8_t vbyte8 __attribute__((vector_size(8), aligned(1), may_alias));
 typedef float vfloat4 __attribute__((vector_size(16)));
 
-// Bytes holding one run of 8 values.
-template <bool kNibbles>
-constexpr int64_t kRunBytes = kNibbles ? 4 : 8;
+// The packed layouts (heron/quant/int_layout.py). Nibbles (<= 4 bits): chunks of 64 values
+// in 32 bytes, read as 8 words: word j holds value 8 i + j of the chunk in bits 4 i .. 4 i + 3,
+// so run i of the chunk (its values 8 i .. 8 i + 7) is the chunk shifted right by 4 i and
+// masked, one immediate shift and one AND for 8 values. Bytes (5..8 bits): one value a byte.
+constexpr int64_t kChunkValues = 64, kChunkBytes = 32, kChunkRuns = kChunkValues / kLanes;
 
-// The run of 8 values at p as floats.
-template <bool kNibbles>
-inline vfloat values8(const uint8_t* p);
+// A row's bytes per run of 8 values, as an average (nibbles: 32 bytes per 8 runs).
+inline int64_t row_bytes(bool nibbles, int64_t K) {
+  return nibbles ? (K + kChunkValues - 1) / kChunkValues * kChunkBytes : K;
+}
 
-template <>
-inline vfloat values8<true>(const uint8_t* p) {
-  uint32_t word;
-  std::memcpy(&word, p, sizeof(word));
-  const vuint shifts = {0, 8, 16, 24, 4, 12, 20, 28};
-  const vuint v = (vuint{} + word) >> shifts & 0xF;
+inline vuint load_chunk(const uint8_t* p) { return *reinterpret_cast<const vuint_u*>(p); }
+
+// Run i (0..7) of a loaded nibble chunk as floats.
+inline vfloat chunk_run(vuint chunk, int i) {
+  const vuint v = chunk >> static_cast<uint32_t>(4 * i) & 0xF;
   return __builtin_convertvector(__builtin_bit_cast(vint, v), vfloat);
 }
 
+// Run `run` (values 8 run .. 8 run + 7) of the packed row as floats.
+template <bool kNibbles>
+inline vfloat run_values(const uint8_t* row, int64_t run);
+
 template <>
-inline vfloat values8<false>(const uint8_t* p) {
+inline vfloat run_values<true>(const uint8_t* row, int64_t run) {
+  return chunk_run(load_chunk(row + run / kChunkRuns * kChunkBytes),
+                   static_cast<int>(run % kChunkRuns));
+}
+
+template <>
+inline vfloat run_values<false>(const uint8_t* row, int64_t run) {
+  const uint8_t* p = row + run * kLanes;
 #if defined(__AVX2__)
   // GCC scalarizes the generic widening below; this is one vpmovzxbd.
   const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
@@ -81,33 +95,27 @@ inline float dot(const float* a, const float* b, int64_t n) {
 // within a group the accumulators gather x * q (plain FMAs on the converted values) and are
 // scaled once; the offsets are one dot product with x's group sums at the end. kSets sets of
 // accumulators take turns over a group's runs, so R * kSets FMA chains hide the latency.
+// Any layout and group size (a multiple of 8); nibble rows with 64 | K take gemv_chunks.
 template <bool kNibbles, int R, int kSets>
 void gemv_one_row(const Operands& o, int64_t n0) {
-  constexpr int64_t kStep = kRunBytes<kNibbles>;
   const int64_t runs = o.group_size / kLanes;
   const uint8_t* q[R];
   for (int r = 0; r < R; ++r) q[r] = o.q + (n0 + r) * o.q_stride;
   const float* scales = o.scales + n0 * o.G;
   vfloat total[R] = {};
   const float* x = o.x;
-  for (int64_t g = 0; g < o.G; ++g) {
+  for (int64_t g = 0, run = 0; g < o.G; ++g) {
     vfloat acc[kSets][R] = {};
     int64_t c = 0;
     for (; c + kSets <= runs; c += kSets) {
-      for (int s = 0; s < kSets; ++s, x += kLanes) {
+      for (int s = 0; s < kSets; ++s, x += kLanes, ++run) {
         const vfloat xv = load(x);
-        for (int r = 0; r < R; ++r) {
-          acc[s][r] += values8<kNibbles>(q[r]) * xv;
-          q[r] += kStep;
-        }
+        for (int r = 0; r < R; ++r) acc[s][r] += run_values<kNibbles>(q[r], run) * xv;
       }
     }
-    for (; c < runs; ++c, x += kLanes) {  // runs left over by the sets
+    for (; c < runs; ++c, x += kLanes, ++run) {  // runs left over by the sets
       const vfloat xv = load(x);
-      for (int r = 0; r < R; ++r) {
-        acc[0][r] += values8<kNibbles>(q[r]) * xv;
-        q[r] += kStep;
-      }
+      for (int r = 0; r < R; ++r) acc[0][r] += run_values<kNibbles>(q[r], run) * xv;
     }
     for (int r = 0; r < R; ++r) {
       vfloat sum = acc[0][r];
@@ -119,11 +127,53 @@ void gemv_one_row(const Operands& o, int64_t n0) {
     o.y[n0 + r] = hsum(total[r]) + dot(o.mins + (n0 + r) * o.G, o.x_sums, o.G);
 }
 
+// The nibble GEMV for one row of x and one output feature n when 64 divides K and the group
+// size is 8, 16 or 32 (kGroupRuns = 1, 2, 4 runs: a chunk holds 8 / kGroupRuns groups) or a
+// multiple of 64 (kGroupRuns = 8: a group is group_size / 64 whole chunks). Each chunk is one
+// 32-byte load; its 8 runs are immediate shifts of it, into two accumulators taking turns.
+template <int kGroupRuns>
+void gemv_chunks(const Operands& o, int64_t n) {
+  const uint8_t* q = o.q + n * o.q_stride;
+  const float* scales = o.scales + n * o.G;
+  const int64_t chunks = o.K / kChunkValues;
+  const int64_t chunks_per_group = kGroupRuns == kChunkRuns ? o.group_size / kChunkValues : 1;
+  vfloat total{}, acc[2] = {};
+  const float* x = o.x;
+  int64_t g = 0;
+  for (int64_t c = 0; c < chunks; ++c, q += kChunkBytes, x += kChunkValues) {
+    const vuint w = load_chunk(q);
+#pragma GCC unroll 8
+    for (int i = 0; i < kChunkRuns; ++i) {
+      acc[i & 1] += chunk_run(w, i) * load(x + i * kLanes);
+      if constexpr (kGroupRuns < kChunkRuns) {
+        if ((i + 1) % kGroupRuns == 0) {  // a group ends with this run
+          total += splat(scales[g++]) * (acc[0] + acc[1]);
+          acc[0] = acc[1] = vfloat{};
+        }
+      }
+    }
+    if constexpr (kGroupRuns == kChunkRuns) {
+      if ((c + 1) % chunks_per_group == 0) {
+        total += splat(scales[g++]) * (acc[0] + acc[1]);
+        acc[0] = acc[1] = vfloat{};
+      }
+    }
+  }
+  o.y[n] = hsum(total) + dot(o.mins + n * o.G, o.x_sums, o.G);
+}
+
+// Runs per group for gemv_chunks (1, 2, 4, or 8 for whole chunks), 0 where it does not apply.
+inline int chunk_group_runs(const Operands& o) {
+  if (o.K % kChunkValues) return 0;
+  if (o.group_size % kChunkValues == 0) return kChunkRuns;
+  const int64_t runs = o.group_size / kLanes;
+  return runs == 1 || runs == 2 || runs == 4 ? static_cast<int>(runs) : 0;
+}
+
 // MT rows of x from m0 times R output features from n0: each run of 8 values is dequantized
 // once (q * scale + min) and multiplies all MT rows.
 template <bool kNibbles, int MT, int R>
 void gemv_tile(const Operands& o, int64_t m0, int64_t n0) {
-  constexpr int64_t kStep = kRunBytes<kNibbles>;
   const int64_t runs = o.group_size / kLanes;
   const uint8_t* q[R];
   for (int r = 0; r < R; ++r) q[r] = o.q + (n0 + r) * o.q_stride;
@@ -131,20 +181,17 @@ void gemv_tile(const Operands& o, int64_t m0, int64_t n0) {
   const float* mins = o.mins + n0 * o.G;
   const float* x = o.x + m0 * o.K;
   vfloat acc[MT][R] = {};
-  for (int64_t g = 0, k = 0; g < o.G; ++g) {
+  for (int64_t g = 0, run = 0; g < o.G; ++g) {
     vfloat s[R], z[R];
     for (int r = 0; r < R; ++r) {
       s[r] = splat(scales[r * o.G + g]);
       z[r] = splat(mins[r * o.G + g]);
     }
-    for (int64_t c = 0; c < runs; ++c, k += kLanes) {
+    for (int64_t c = 0; c < runs; ++c, ++run) {
       vfloat w[R];
-      for (int r = 0; r < R; ++r) {
-        w[r] = values8<kNibbles>(q[r]) * s[r] + z[r];
-        q[r] += kStep;
-      }
+      for (int r = 0; r < R; ++r) w[r] = run_values<kNibbles>(q[r], run) * s[r] + z[r];
       for (int m = 0; m < MT; ++m) {
-        const vfloat xv = load(x + m * o.K + k);
+        const vfloat xv = load(x + m * o.K + run * kLanes);
         for (int r = 0; r < R; ++r) acc[m][r] += w[r] * xv;
       }
     }
@@ -184,17 +231,23 @@ constexpr int64_t kBlockRows = 8;  // output features per gemv_block
 template <bool kNibbles>
 void gemv_block(const Operands& o, int64_t n0, int64_t rows) {
   if (o.M == 1) {
-    // Few weight rows at a time keep the reads close to one sequential stream (the hardware
-    // prefetcher loses track of more): two for 4-bit, one for the 8-bit layout (twice the
-    // bytes per value), with as many sets of accumulators as a group's runs fill (measured).
-    const int64_t runs = o.group_size / kLanes;
     if constexpr (kNibbles) {
-      runs >= 2 ? one_rows<kNibbles, 2, 2>(o, n0, rows) : one_rows<kNibbles, 2, 1>(o, n0, rows);
-    } else {
-      runs >= 4   ? one_rows<kNibbles, 1, 4>(o, n0, rows)
-      : runs >= 2 ? one_rows<kNibbles, 1, 2>(o, n0, rows)
-                  : one_rows<kNibbles, 1, 1>(o, n0, rows);
+      switch (chunk_group_runs(o)) {
+        case 1: for (int64_t r = 0; r < rows; ++r) gemv_chunks<1>(o, n0 + r); return;
+        case 2: for (int64_t r = 0; r < rows; ++r) gemv_chunks<2>(o, n0 + r); return;
+        case 4: for (int64_t r = 0; r < rows; ++r) gemv_chunks<4>(o, n0 + r); return;
+        case kChunkRuns: for (int64_t r = 0; r < rows; ++r) gemv_chunks<kChunkRuns>(o, n0 + r);
+          return;
+        default: one_rows<kNibbles, 1, 2>(o, n0, rows); return;
+      }
     }
+    // One weight row at a time keeps the reads close to one sequential stream (the hardware
+    // prefetcher loses track of more), with as many sets of accumulators as a group's runs
+    // fill (measured).
+    const int64_t runs = o.group_size / kLanes;
+    runs >= 4   ? one_rows<kNibbles, 1, 4>(o, n0, rows)
+    : runs >= 2 ? one_rows<kNibbles, 1, 2>(o, n0, rows)
+                : one_rows<kNibbles, 1, 1>(o, n0, rows);
     return;
   }
   const int64_t tiles = (o.M + kMaxTileM - 1) / kMaxTileM;
@@ -224,7 +277,7 @@ void dequantize_rows(const Operands& o, int64_t n0, int64_t rows, float* out) {
     for (int64_t g = 0, k0 = 0; g < o.G; ++g, k0 += o.group_size) {
       const vfloat s = splat(o.scales[n * o.G + g]), z = splat(o.mins[n * o.G + g]);
       for (int64_t k = k0; k < k0 + o.group_size; k += kLanes)
-        store(w + k, values8<kNibbles>(q + k / kLanes * kRunBytes<kNibbles>) * s + z);
+        store(w + k, run_values<kNibbles>(q, k / kLanes) * s + z);
     }
   }
 }
