@@ -132,3 +132,54 @@ def test_w8a8_int_mm_path_equals_the_grouped_kernel_path(monkeypatch):
         assert layer.use_int_mm is fast
         outputs.append(layer(x))
     torch.testing.assert_close(outputs[0], outputs[1], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("activations", ["dynamic", "static"])
+def test_fp8_scaled_mm_path_equals_the_emulation(monkeypatch, activations):
+    """The fp8 tensor-core path (torch._scaled_mm, row-wise scales; on CPU torch runs it too)
+    and the emulation (fp8-rounded activations times the dequantized weight) agree."""
+    from heron.layers.linear import ReplicatedLinear
+    from heron.quant.methods import activation_quant
+    from heron.quant.methods.activation_quant import FP8LinearMethod
+
+    gen = torch.Generator().manual_seed(0)
+    weight = (torch.randn(48, 64, generator=gen) * 40).to(torch.float8_e4m3fn)
+    scale = torch.rand(48, 1, generator=gen) * 0.01 + 1e-3
+    x = torch.randn(5, 64, generator=gen)
+    outputs = []
+    for fast in (False, True):
+        monkeypatch.setattr(activation_quant, "scaled_mm_is_fast", lambda w, fast=fast: fast)
+        layer = ReplicatedLinear(64, 48)
+        layer.set_quant_method(FP8LinearMethod("channel", activations), torch.float32)
+        layer.load_weight(layer.weight, weight)
+        layer.load_weight(layer.weight_scale, scale)
+        if activations == "static":
+            layer.load_weight(layer.input_scale, torch.tensor([[0.02]]))
+        layer.quant_method.process_weights_after_loading(layer)
+        assert layer.use_scaled_mm is fast
+        outputs.append(layer(x))
+    torch.testing.assert_close(outputs[0], outputs[1], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("quant", ["gptq-4bit-g32", "fp8-online"])
+def test_random_weights_of_a_quantized_model(tiny, tmp_path, quant):
+    """load_format="dummy" (the GPU benchmark's shapes without checkpoints) fills a quantized
+    model's checkpoint parameters and repacks them as loading would."""
+    import json
+
+    src, _ = tiny
+    config = json.loads((src / "config.json").read_text())
+    kwargs = {"quantization": "fp8"}
+    if quant.startswith("gptq"):
+        config["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 32,
+                                         "desc_act": False, "sym": True}
+        kwargs = {}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    llm = LLM(str(tmp_path), load_format="dummy", num_kv_blocks=16, block_size=4, **kwargs)
+    out = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 4
+    layer = llm.engine.core.executor.worker.runner.model.model.layers[0].mlp.down_proj
+    if quant.startswith("gptq"):
+        assert layer.grouped.bits == 4 and layer.input_perm is None  # no g_idx: in order
+    else:
+        assert layer.weight.dtype == torch.float8_e4m3fn

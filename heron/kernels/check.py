@@ -198,18 +198,41 @@ def _grouped_int_gemm_cases(dtype, device, real: bool) -> Iterator[Case]:
     for (m, n, k), (bits, group) in zip(shapes * 2, [(4, 128), (4, 32), (6, 16), (8, -1)]):
         def run(m=m, n=n, k=k, bits=bits, group=group):
             from heron.kernels.grouped_int_gemm import grouped_int_gemm
-            from heron.quant.int_layout import GroupedIntWeight
+            from heron.kernels.int_pack import dequantize, pack_values
 
             group = k if group == -1 else group
             gen = torch.Generator().manual_seed(m + n + bits)
             q = torch.randint(0, 1 << bits, (n, k), generator=gen, dtype=torch.uint8)
             scales = torch.rand(n, k // group, generator=gen) * 0.02
             mins = -scales * (1 << (bits - 1))
-            w = GroupedIntWeight.from_values(q, scales, mins, group, bits)
+            qweight = pack_values(q, bits)
             x = cases.randn(m, k, dtype=dtype, device="cpu")
-            expected = x.double() @ w.dequantize().double().T
-            dev = [t.to(device) for t in (x, w.qweight, w.scales, w.mins)]
+            expected = x.double() @ dequantize(qweight, scales, mins, group, bits).double().T
+            dev = [t.to(device) for t in (x, qweight, scales, mins)]
             return grouped_int_gemm(*dev, group, bits).cpu(), expected
+        yield run
+
+
+def _fp8_scaled_mm_cases(dtype, device, real: bool) -> Iterator[Case]:
+    """FP8 W8A8 (per-token x, per-channel weight scales) through torch._scaled_mm, where the
+    device has fp8 tensor cores; real: the Llama-3.1-8B gate_up and down at decode and
+    prefill row counts. The reference multiplies the same fp8 values in float64."""
+    from heron.kernels.fp8_gemm import scaled_mm_is_fast, scaled_mm_rowwise
+
+    if dtype != torch.bfloat16 or not scaled_mm_is_fast(torch.empty(0, device=device)):
+        return  # its output is bfloat16 whatever the model dtype: checked at that tolerance
+    shapes = [(1, 28672, 4096), (64, 4096, 14336)] if real else [(1, 96, 128), (37, 64, 96)]
+    for m, n, k in shapes:
+        def run(m=m, n=n, k=k):
+            fp8_max = torch.finfo(torch.float8_e4m3fn).max
+            x = cases.randn(m, k, dtype=torch.float32, device=device)
+            w = cases.randn(n, k, dtype=torch.float32, device=device, seed=1) * 0.02
+            sx = x.abs().amax(dim=1, keepdim=True) / fp8_max
+            sw = w.abs().amax(dim=1) / fp8_max
+            xq = (x / sx).to(torch.float8_e4m3fn)
+            wq = (w / sw[:, None]).to(torch.float8_e4m3fn)
+            expected = (xq.double() * sx.double()) @ (wq.double() * sw.double()[:, None]).T
+            return scaled_mm_rowwise(xq, sx, wq.t(), sw).cpu(), expected.cpu()
         yield run
 
 
@@ -224,6 +247,7 @@ SUITE = {
     "rotary": _rotary_cases,
     "silu_and_mul": _silu_cases,
     "grouped_int_gemm": _grouped_int_gemm_cases,
+    "fp8_scaled_mm": _fp8_scaled_mm_cases,
 }
 
 

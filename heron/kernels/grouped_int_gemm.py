@@ -1,5 +1,5 @@
 """Weight-only quantized GEMM in Triton (CUDA): y = x @ W^T for a ``GroupedIntWeight`` W
-(``heron.quant.int_layout``), dequantized tile by tile in registers, never in memory.
+(``heron.kernels.int_pack``), dequantized tile by tile in registers, never in memory.
 
 W's values are uint8, one per byte (5..8 bits) or two per byte (<= 4 bits: in each chunk of
 64 input features, 32 bytes, byte 4j + b holds feature 16b + j in its low nibble and

@@ -8,8 +8,10 @@ largest over the fused shards), then multiplied against the 8-bit weight.
 
 On CPU the int8 matmul goes through the grouped-integer kernel (one group per row, exact
 int8 values; fp32 accumulation) since torch's ``_int_mm`` has no fast CPU path; on CUDA
-through ``torch._int_mm`` (int32 accumulation). FP8 is emulated: activations are rounded
-through float8_e4m3fn, the weight dequantized a tile at a time.
+through ``torch._int_mm`` (int32 accumulation). FP8 with quantized activations runs
+``torch._scaled_mm`` (row-wise scales: per token for x, per output row for the weight) where
+the GPU has fp8 tensor cores (compute capability 8.9+: Ada, Hopper); elsewhere it is
+emulated: activations rounded through float8_e4m3fn, the weight dequantized a tile at a time.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from heron.kernels.fp8_gemm import scaled_mm_is_fast, scaled_mm_rowwise
 from heron.quant.base import FULL, LinearMethod, ParamLayout, add_param
 from heron.quant.int_layout import GroupedIntWeight, quant_linear
 
@@ -161,12 +164,19 @@ class FP8LinearMethod(LinearMethod):
             scale = _row_values(layer, layer.weight_scale.data, self.strategy)
         layer.row_scale = scale
         layer.static_input_scale = None if self.quantize_on_load else _static_input_scale(layer)
+        n, k = layer.weight.shape
+        layer.use_scaled_mm = (self.activations is not None and n % 16 == 0 and k % 16 == 0
+                               and scaled_mm_is_fast(layer.weight.data))
 
     def apply(self, layer, x, bias=None):
         lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1]).to(torch.float32)
         if self.activations:
             xq, sx = quantize_activations(x2, FP8_MAX, layer.static_input_scale, fp8=True)
+            if layer.use_scaled_mm:
+                y = scaled_mm_rowwise(xq, sx, layer.weight.data.t(), layer.row_scale)
+                y = y.to(x.dtype).reshape(*lead, -1)
+                return y if bias is None else y + bias
             x2 = xq.to(torch.float32) * sx
         w, scale = layer.weight.data, layer.row_scale
         y = x2.new_empty(x2.shape[0], w.shape[0])
