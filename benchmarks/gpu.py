@@ -7,12 +7,27 @@
    decode tok/s = 127 / (time of the last token - time of the first).
 3. Qwen3-0.6B shape, bf16, random weights: 256 prompts of U[100, 1024] random tokens,
    512 output tokens each, EOS ignored; output tok/s over the whole run.
+4. (``--phases llama,quant``, a second run of ~5 minutes) the Llama-3.1-8B decode of phase 2
+   with quantized weights: W4A16 (a GPTQ 4-bit g128 config: the Triton dequant-GEMM) and FP8
+   (``--quantization fp8``: per-channel weights, per-token activations, ``torch._scaled_mm``
+   on Hopper), each with its speed-up over phase 2's bf16 (goals: >= 2.5x and >= 1.6x).
 
 Each phase runs in its own process (clean GPU memory, its own time limit) and writes a JSON
 file to ``--out-dir``; the parent prints a short table last and a JSON summary line. Models
 are built from config.json files written to a temp dir (``load_format="dummy"``), so nothing
-is downloaded; the offline path needs torch, triton and transformers only (no fastapi, pyzmq,
-msgspec or gguf). ``--smoke`` runs tiny shapes on whatever device exists (a CPU plumbing test).
+is downloaded; the offline path needs torch, triton, transformers and msgspec (no fastapi,
+pyzmq or gguf). ``--smoke`` runs tiny shapes on whatever device exists (a CPU plumbing test).
+
+The H200 image has no msgspec: download its Python 3.12 wheel here once, into the git-excluded
+``.whl/`` (``echo /.whl/ >> .git/info/exclude``)::
+
+    python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
+        --implementation cp --platform manylinux_2_28_x86_64 \
+        --platform manylinux_2_17_x86_64 -d .whl msgspec==0.23.0
+
+then carry ``.whl`` and start the device command with
+``python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl &&
+PYTHONPATH=/tmp/site:. python3 benchmarks/gpu.py``.
 """
 
 from __future__ import annotations
@@ -28,8 +43,11 @@ import time
 from pathlib import Path
 
 TOTAL_BUDGET_S = 470  # under 8 minutes, with the parent's own start-up
-PHASE_BUDGET_S = {"check": 130, "llama": 150, "qwen": 180}
-NOT_ON_GPU_IMAGE = ("fastapi", "uvicorn", "zmq", "msgspec", "gguf")
+PHASE_BUDGET_S = {"check": 130, "llama": 150, "qwen": 180, "quant": 300}
+NOT_ON_GPU_IMAGE = ("fastapi", "uvicorn", "zmq", "gguf")
+# The engine's step messages are msgspec structs and the GPU image lacks msgspec: it travels
+# as a wheel (see the module docstring).
+CARRIED_WHEELS = ("msgspec",)
 COPY_GBPS = 4232  # H200 copy bandwidth (read + write) measured 2026-11-29 (DESIGN.md)
 
 LLAMA_8B = {
@@ -49,6 +67,8 @@ QWEN3_06B = {
     "tie_word_embeddings": True, "use_sliding_window": False, "sliding_window": None,
     "bos_token_id": 151643, "eos_token_id": 151645,
 }
+W4A16_GPTQ = {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False,
+              "sym": True}
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, vocab_size=512, max_position_embeddings=4096)
 
@@ -58,6 +78,8 @@ TABLE_ROWS = [
      "HF 53.6 eager / 138.7 compiled", ">= 240"),
     ("qwen", "output_tok_s", "Qwen3-0.6B 256 seqs output tok/s",
      "HF generate_batch 794", ">= 15000"),
+    ("quant", "w4a16_speedup", "Llama-8B bs1 W4A16 / bf16", "bf16 (phase llama)", ">= 2.5"),
+    ("quant", "fp8_speedup", "Llama-8B bs1 FP8 / bf16", "bf16 (phase llama)", ">= 1.6"),
 ]
 
 
@@ -69,12 +91,14 @@ def _model_dir(config: dict, smoke: bool) -> str:
     return str(path)
 
 
-def _engine(config: dict, args, max_num_seqs: int, max_model_len: int, batched_tokens: int):
+def _engine(config: dict, args, max_num_seqs: int, max_model_len: int, batched_tokens: int,
+            quantization: str | None = None):
     from heron.config import EngineConfig, SchedulerConfig
     from heron.engine.llm_engine import LLMEngine
 
     return LLMEngine(EngineConfig(
         model=_model_dir(config, args.smoke), dtype=args.dtype, load_format="dummy",
+        quantization=quantization,
         attention_backend=args.backend, enforce_eager=args.enforce_eager,
         max_model_len=max_model_len,
         scheduler=SchedulerConfig(max_num_batched_tokens=batched_tokens,
@@ -111,18 +135,23 @@ def _random_prompts(num: int, low: int, high: int, vocab: int, seed: int) -> lis
             for _ in range(num)]
 
 
-def phase_llama(args) -> dict:
+def _llama_decode(args, config: dict, quantization: str | None = None) -> dict:
+    """Batch-1 decode on the Llama-3.1-8B shape (``config``: with or without a
+    quantization_config)."""
     import torch
+
+    from heron.loader.weights import model_weight_bytes
 
     prompt_len, new_tokens = (512, 128) if not args.smoke else (32, 8)
     vocab = LLAMA_8B["vocab_size"] if not args.smoke else TINY["vocab_size"]
-    engine = _engine(LLAMA_8B, args, max_num_seqs=8, max_model_len=1024, batched_tokens=2048)
+    engine = _engine(config, args, max_num_seqs=8, max_model_len=1024, batched_tokens=2048,
+                     quantization=quantization)
     _run(engine, _random_prompts(1, 16, 16, vocab, seed=1), 8)  # warm-up: compile, allocate
     prompt = _random_prompts(1, prompt_len, prompt_len, vocab, seed=2)
     start = time.perf_counter()
     times, _ = _run(engine, prompt, new_tokens)
     decode_s = times[-1] - times[0]
-    params = sum(p.numel() * p.element_size() for p in engine.runner.model.parameters())
+    params = model_weight_bytes(engine.runner.model)  # as the forward reads them
     # K and V of one token in every layer; caches are (2, blocks, block_size, KVH, D)
     kv_per_token = sum(c[:, 0, 0].numel() * c.element_size() for c in engine.runner.kv_caches)
     step_bytes = params + kv_per_token * (prompt_len + new_tokens / 2)  # weights + mean KV
@@ -131,6 +160,25 @@ def phase_llama(args) -> dict:
                 backend=engine.runner.backend.name, graphs=engine.runner.graphs is not None,
                 device=str(engine.runner.device),
                 gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else None)
+
+
+def phase_llama(args) -> dict:
+    return _llama_decode(args, LLAMA_8B)
+
+
+def phase_quant(args) -> dict:
+    """W4A16 and FP8 decode, each against the bf16 figure phase llama wrote (when it ran)."""
+    bf16_path = Path(args.out_dir) / "llama.json"
+    bf16 = json.loads(bf16_path.read_text()).get("decode_tok_s") if bf16_path.is_file() else None
+    w4a16 = _llama_decode(args, {**LLAMA_8B, "quantization_config": W4A16_GPTQ})
+    fp8 = _llama_decode(args, LLAMA_8B, quantization="fp8")
+    result = {"bf16_decode_tok_s": bf16, "w4a16": w4a16, "fp8": fp8}
+    for name, run in (("w4a16", w4a16), ("fp8", fp8)):
+        result[f"{name}_decode_tok_s"] = run["decode_tok_s"]
+        result[f"{name}_weight_gb"] = run["weight_bytes"] / 1e9
+        if bf16:
+            result[f"{name}_speedup"] = run["decode_tok_s"] / bf16
+    return result
 
 
 def phase_qwen(args) -> dict:
@@ -170,7 +218,7 @@ def phase_check(args) -> dict:
                 worst={f"{c['kernel']}/{c['dtype']}": c["max_rel_error"] for c in checks})
 
 
-PHASES = {"check": phase_check, "llama": phase_llama, "qwen": phase_qwen}
+PHASES = {"check": phase_check, "llama": phase_llama, "qwen": phase_qwen, "quant": phase_quant}
 
 
 def run_phase(args) -> int:
@@ -233,7 +281,8 @@ def print_table(results: dict[str, dict]) -> None:
     print(f"{'workload':<34} {'heron':>10} {'goal':>9} {'limit':>8}  baseline (issue)")
     for phase, key, label, baseline, goal in TABLE_ROWS:
         r = results.get(phase, {})
-        value = f"{r[key]:.1f}" if key in r else r.get("error", "-")[:10]
+        digits = 2 if key.endswith("speedup") else 1
+        value = f"{r[key]:.{digits}f}" if key in r else r.get("error", "-")[:10]
         limit = f"{r['limit_tok_s']:.0f}" if "limit_tok_s" in r else "-"
         print(f"{label:<34} {value:>10} {goal:>9} {limit:>8}  {baseline}")
     if "check" not in results:

@@ -161,10 +161,10 @@ def materialize_weights(model: nn.Module, source, load_format: str, dtype: torch
     if load_format == "dummy":
         from heron.loader.dummy_weights import init_dummy_weights
 
-        if quantization is not None:
-            raise ValueError(f"random (dummy) weights need an unquantized model, not "
-                             f"{quantization.describe()}")
+        if quantization is not None and quantization.method == "gguf":
+            raise ValueError("random (dummy) weights need an HF config, not a GGUF file")
         init_dummy_weights(model, seed)
+        process_weights_after_loading(model)
     elif load_format == "auto":
         keep = quantization is not None and quantization.keeps_embedding_quantized
         load_weights(model, (source.quantized_weights if keep else source.weights)(), dtype)
