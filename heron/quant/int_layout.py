@@ -2,17 +2,10 @@
 (GPTQ, AWQ, compressed-tensors W4A16, GGUF Q4_0 / Q4_1 / Q4_K / Q5_K / Q6_K / Q8_0) is
 converted into, and what the CPU kernel ``torch.ops.heron_cpu.quant_linear`` multiplies.
 
-A linear layer with ``out_features`` N and ``in_features`` K holds unsigned values
-``q[n, k]`` in ``[0, 2**bits)`` (``bits`` in 2..8) and, per row and group of ``group_size``
-consecutive k, a float32 scale and offset (``scales``, ``mins``: (N, K // group_size)):
-
-    w[n, k] = q[n, k] * scales[n, k // group_size] + mins[n, k // group_size]
-
-(an integer zero point z becomes ``mins = -z * scales``). K and ``group_size`` are multiples
-of 8 and ``group_size`` divides K (``group_size == K``: one group per row).
-
-``qweight`` holds q packed (two values a byte up to 4 bits, in chunks of 64; one a byte
-above) as ``heron.kernels.int_pack`` defines, next to its pack / unpack / dequantize.
+``GroupedIntWeight`` holds one layer's unsigned values q (N, K), packed, with a float32 scale
+and min per row and group, ``w = q * scale + min``; ``heron.kernels.int_pack`` defines the
+packing and the reference dequantization. ``quant_linear`` multiplies x by it on CPU (heron's
+C++ kernel), on CUDA (Triton) or anywhere (torch, a tile at a time).
 """
 
 from __future__ import annotations
