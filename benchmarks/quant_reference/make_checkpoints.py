@@ -1,20 +1,23 @@
 #!/usr/bin/env python3
 """Build tiny quantized reference checkpoints with the tools that publish these formats.
 
-Run inside the *peer* venv (never heron's own venv), e.g.::
+Run inside the *peer* venv (never heron's own venv; ``make reference-tools`` builds it from
+``requirements.txt``, ``requirements-no-deps.txt`` and ``constraints.txt`` here)::
 
-    python3 -m venv .venv/peers/quant
-    echo torch==2.13.0 > /tmp/c.txt
-    .venv/peers/quant/bin/pip install -c /tmp/c.txt torch==2.13.0
-    .venv/peers/quant/bin/pip install -c /tmp/c.txt llmcompressor gptqmodel optimum autoawq
+    make reference-tools
     .venv/peers/quant/bin/python benchmarks/quant_reference/make_checkpoints.py --out /tmp/quant_ref
+
+``tests/test_quant_reference_tools.py`` runs it (``--calib-samples 16``) and compares heron's
+logprobs on each checkpoint with ``reference_logits.pt``; it also runs ``--reference-dirs`` on
+``heron quantize``'s output to get HF's logits there.
 
 It writes, under ``--out``:
 
 * ``fp32/``            the unquantized tiny random LlamaForCausalLM (+ a tiny word-level tokenizer)
 * ``ct-*/``            llmcompressor / compressed-tensors checkpoints (saved compressed)
 * ``gptq-*/``          GPTQModel checkpoints (GPTQ v1 on-disk format)
-* ``awq-gemm/``        AutoAWQ GEMM checkpoint (falls back to GPTQModel's AWQ exporter)
+* ``awq-gemm/``        AutoAWQ GEMM checkpoint (GPTQModel's AWQ exporter when AutoAWQ does not
+                       import; ``PRODUCER`` names the tool)
 
 and, in every directory, ``reference_logits.pt`` = ``{"input_ids": LongTensor[2,16],
 "logits": FloatTensor[2,16,vocab], ...}`` computed by loading the directory back with plain
@@ -24,13 +27,17 @@ compressed-tensors / gptqmodel for the dequantization).  Extra keys:
 * ``logits_weight_only`` (compressed-tensors schemes with quantized activations): the same model
   with compressed-tensors' activation fake-quant switched off.  ``logits`` *includes* the
   activation QDQ (dynamic per-token int8/fp8, or static per-tensor fp8 with ``input_scale``).
-* ``logits_auto_kernel`` (GPTQ/AWQ): ``logits`` uses gptqmodel's plain torch kernel (fp16 scales,
-  fp32 matmul); this one uses the kernel HF picks by default on CPU, which computes in bf16.
+* ``logits_auto_kernel`` (GPTQ/AWQ): ``logits`` uses gptqmodel's plain torch kernel (GPTQ: weight
+  dequantized in the fp16 scale dtype, fp32 matmul; AWQ: activations cast to fp16, fp16 matmul);
+  this one uses the kernel HF picks by default on CPU, which computes in bf16.
 
 The last stdout line is a JSON summary (also written to ``<out>/summary.json``).
 
-Each quantization and each reference load runs in its own subprocess so that one tool's
-monkey-patching (or failure) cannot affect another's checkpoint.  Nothing is downloaded:
+Each tool's quantizations run in a subprocess of their own, and so do the reference loads of
+each format family (compressed-tensors; GPTQ and AWQ, through gptqmodel), so that one tool's
+monkey-patching cannot affect another's checkpoint, nor the HF loads; a failing checkpoint does
+not stop the others of its tool (``--isolate``: one process per checkpoint and per load, at tens
+of seconds of imports each; ``--jobs N``: N children at a time).  Nothing is downloaded:
 calibration data are random token ids built in memory.
 """
 
@@ -55,6 +62,9 @@ os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
 # GPTQModel 7.6 sizes its CPU pool as (cpu_count+1)//2 but always asks for a 2-worker
 # "model_loader:cpu" sub-pool, which raises on machines with <= 2 cores.
 os.environ.setdefault("GPTQMODEL_CPU_WORKERS", "2")
+# gptqmodel's torch kernels torch.compile their dequantization (inductor: a C++ build, ~20 s per
+# process on CPU); eager gives the same arithmetic (fp16 dequantization, matmul in the input dtype).
+os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 
 SEED = 1234
 VOCAB = 512
@@ -213,44 +223,53 @@ def quant_gptqmodel(out: Path, name: str, bits: int, group_size: int, sym: bool,
 
 
 def quant_autoawq(out: Path, name: str, **quant_config):
+    """AutoAWQ's GEMM checkpoint.  Only when AutoAWQ does not import (it is deprecated upstream
+    and may not install against a given torch) does GPTQModel's AWQ GEMM exporter write it
+    instead; ``PRODUCER`` says which tool wrote it.  A failure of AutoAWQ itself is an error."""
     _torch()
     d = out / name
     try:
         from awq import AutoAWQForCausalLM
-        from transformers import AutoTokenizer
+    except Exception as e:  # noqa: BLE001  (ImportError, or a kernel-extension load error)
+        print(f"[awq] AutoAWQ does not import ({type(e).__name__}: {e}); using GPTQModel's AWQ "
+              f"exporter", file=sys.stderr)
+        _gptqmodel_awq(out, name, quant_config)
+        (d / "PRODUCER").write_text(f"gptqmodel-awq (autoawq not importable: {type(e).__name__}: {e})\n")
+        _save_tokenizer(d)
+        return
+    from transformers import AutoTokenizer
 
-        model = AutoAWQForCausalLM.from_pretrained(str(out / "fp32"), device_map="cpu")
-        tok = AutoTokenizer.from_pretrained(str(out / "fp32"))
-        model.quantize(
-            tok,
-            quant_config=quant_config,
-            calib_data=calib_token_ids(),
-            n_parallel_calib_samples=None,
-            max_calib_samples=CALIB_SAMPLES,
-            max_calib_seq_len=CALIB_LEN,
-        )
-        model.save_quantized(str(d))
-        (d / "PRODUCER").write_text("autoawq\n")
-    except Exception as e:  # noqa: BLE001
-        print(f"[awq] AutoAWQ failed ({type(e).__name__}: {e}); trying GPTQModel AWQ", file=sys.stderr)
-        traceback.print_exc()
-        from gptqmodel import GPTQModel, QuantizeConfig
-        from gptqmodel.quantization import FORMAT, METHOD
-
-        qcfg = QuantizeConfig(
-            bits=quant_config["w_bit"],
-            group_size=quant_config["q_group_size"],
-            sym=not quant_config["zero_point"],
-            quant_method=METHOD.AWQ,
-            format=FORMAT.GEMM,
-            device="cpu",
-        )
-        model = GPTQModel.load(str(out / "fp32"), qcfg)
-        calib = [{"input_ids": x, "attention_mask": [1] * len(x)} for x in calib_token_ids()]
-        model.quantize(calib, batch_size=1)
-        model.save(str(d))
-        (d / "PRODUCER").write_text(f"gptqmodel-awq (autoawq failed: {type(e).__name__}: {e})\n")
+    model = AutoAWQForCausalLM.from_pretrained(str(out / "fp32"), device_map="cpu")
+    tok = AutoTokenizer.from_pretrained(str(out / "fp32"))
+    model.quantize(
+        tok,
+        quant_config=quant_config,
+        calib_data=calib_token_ids(),
+        n_parallel_calib_samples=None,
+        max_calib_samples=CALIB_SAMPLES,
+        max_calib_seq_len=CALIB_LEN,
+    )
+    model.save_quantized(str(d))
+    (d / "PRODUCER").write_text("autoawq\n")
     _save_tokenizer(d)
+
+
+def _gptqmodel_awq(out: Path, name: str, quant_config: dict) -> None:
+    from gptqmodel import GPTQModel, QuantizeConfig
+    from gptqmodel.quantization import FORMAT, METHOD
+
+    qcfg = QuantizeConfig(
+        bits=quant_config["w_bit"],
+        group_size=quant_config["q_group_size"],
+        sym=not quant_config["zero_point"],
+        quant_method=METHOD.AWQ,
+        format=FORMAT.GEMM,
+        device="cpu",
+    )
+    model = GPTQModel.load(str(out / "fp32"), qcfg)
+    calib = [{"input_ids": x, "attention_mask": [1] * len(x)} for x in calib_token_ids()]
+    model.quantize(calib, batch_size=1)
+    model.save(str(out / name))
 
 
 # --------------------------------------------------------------------------------------------
@@ -329,6 +348,34 @@ def inspect_dir(d: Path) -> dict:
     return info
 
 
+QUANTIZERS = {"llmcompressor": quant_llmcompressor, "gptqmodel": quant_gptqmodel, "autoawq": quant_autoawq}
+
+
+def _ref_family(name: str) -> str:
+    """HF loads compressed-tensors through the compressed-tensors package, GPTQ and AWQ through
+    gptqmodel: one reference process per family."""
+    return "ct" if CHECKPOINTS[name][0] == "llmcompressor" else "gptq-awq"
+
+
+def _each(kind: str, names: list[str], work, logs: Path) -> None:
+    """In a child process: ``work(name)`` for each name, one failure not stopping the rest;
+    the outcome of each goes to ``logs/<name>.<kind>.json``."""
+    failed = False
+    for n in names:
+        t0 = time.time()
+        err = None
+        try:
+            work(n)
+        except Exception as e:  # noqa: BLE001
+            traceback.print_exc()
+            err = f"{type(e).__name__}: {e}"[:600]
+            failed = True
+        (logs / f"{n}.{kind}.json").write_text(json.dumps({"seconds": round(time.time() - t0, 1),
+                                                           "error": err}))
+        print(f"[{kind} {n}] {'ok' if err is None else 'FAILED ' + err}", file=sys.stderr, flush=True)
+    sys.exit(1 if failed else 0)
+
+
 def _run_child(args: list[str], log: Path, timeout: int) -> tuple[int, float, str]:
     t0 = time.time()
     with open(log, "w") as fh:
@@ -342,28 +389,111 @@ def _run_child(args: list[str], log: Path, timeout: int) -> tuple[int, float, st
     return rc, time.time() - t0, " | ".join(tail)[-600:]
 
 
+def _run_batch(kind: str, label: str, names: list[str], common: list[str], logs: Path,
+               timeout: int) -> tuple[dict[str, dict], float]:
+    """One child for a batch of checkpoints -> ({name: {"seconds", "error"}}, wall seconds)."""
+    for n in names:
+        (logs / f"{n}.{kind}.json").unlink(missing_ok=True)
+    rc, dt, tail = _run_child([*common, f"--_{kind}", ",".join(names)], logs / f"{label}.{kind}.log",
+                              timeout)
+    status: dict[str, dict] = {}
+    for n in names:
+        f = logs / f"{n}.{kind}.json"
+        if f.exists():
+            status[n] = json.loads(f.read_text())
+        else:  # the child died (timeout, crash) before finishing this one
+            status[n] = {"seconds": None, "error": f"{kind} process rc={rc} ({dt:.0f}s): {tail}"}
+    print(f"[{kind} {label}] rc={rc} {dt:.0f}s", file=sys.stderr, flush=True)
+    return status, round(dt, 1)
+
+
+def _run_all(quant_batches: dict[str, list[str]], ref_batches: dict[str, list[str]], out: Path,
+             common: list[str], logs: Path, timeout: int, jobs: int):
+    """Quantize every batch, then load back each reference batch as soon as the quantizations
+    it needs are done; up to ``jobs`` children at a time -> (quant status, ref status, walls)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    walls: dict[str, float] = {}
+
+    def run(kind, label, names):
+        status, walls[f"{kind} {label}"] = _run_batch(kind, label, names, common, logs, timeout)
+        return status
+
+    # Quantizations are submitted first and the pool is FIFO, so a reference task waiting on
+    # them never holds back one that has not started.
+    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+        qf = {label: pool.submit(run, "quant", label, b) for label, b in quant_batches.items()}
+
+        def ref_task(label, names):
+            done: dict[str, dict] = {}
+            for ql, qb in quant_batches.items():
+                if set(qb) & set(names):
+                    done.update(qf[ql].result())
+            ready = [n for n in names if done[n]["error"] is None and (out / n / "config.json").exists()]
+            return run("ref", label, ready) if ready else {}
+
+        rf = [pool.submit(ref_task, label, b) for label, b in ref_batches.items()]
+        quant = {n: st for f in qf.values() for n, st in f.result().items()}
+        refs = {n: st for f in rf for n, st in f.result().items()}
+    return quant, refs, walls
+
+
 def main() -> None:
+    global CALIB_SAMPLES
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", required=True, type=Path)
+    ap.add_argument("--out", type=Path, help="directory to write the checkpoints into")
     ap.add_argument("--only", default="", help="comma-separated subset of: " + ",".join(CHECKPOINTS))
     ap.add_argument("--timeout", type=int, default=900, help="per-subprocess timeout (s)")
+    ap.add_argument("--calib-samples", type=int, default=CALIB_SAMPLES,
+                    help=f"calibration sequences of {CALIB_LEN} random tokens ({CALIB_SAMPLES})")
+    ap.add_argument("--isolate", action="store_true",
+                    help="one process per quantization and per reference load (default: one per "
+                         "tool, which saves the tools' import time, tens of seconds each)")
+    ap.add_argument("--jobs", type=int, default=1,
+                    help="child processes at a time (1); the tools' imports are single-threaded")
+    ap.add_argument("--reference-dirs", default="",
+                    help="instead: write reference_logits.pt (HF transformers' logits) into each of "
+                         "these comma-separated existing checkpoint directories, in this process "
+                         "(e.g. `heron quantize` output); exit status 1 if any fails to load")
     ap.add_argument("--_quant", help=argparse.SUPPRESS)
     ap.add_argument("--_ref", help=argparse.SUPPRESS)
     a = ap.parse_args()
+    CALIB_SAMPLES = a.calib_samples
+
+    if a.reference_dirs:
+        dirs = [Path(d) for d in a.reference_dirs.split(",") if d]
+        failed = []
+        for d in dirs:
+            try:
+                write_reference(d)
+                print(f"[ref {d}] ok", file=sys.stderr, flush=True)
+            except Exception:  # noqa: BLE001
+                traceback.print_exc()
+                failed.append(str(d))
+        print(json.dumps({"reference_dirs": [str(d) for d in dirs], "failed": failed}))
+        sys.exit(1 if failed else 0)
+    if a.out is None:
+        ap.error("--out is required")
     out: Path = a.out.resolve()
+    logs = out / "logs"
+
+    def quantize_one(n: str) -> None:
+        import shutil
+
+        tool, kw = CHECKPOINTS[n]
+        try:
+            QUANTIZERS[tool](out, n, **kw)
+        except BaseException:
+            shutil.rmtree(out / n, ignore_errors=True)  # never leave half a checkpoint behind
+            raise
 
     if a._quant:
-        tool, kw = CHECKPOINTS[a._quant]
-        {"llmcompressor": quant_llmcompressor, "gptqmodel": quant_gptqmodel, "autoawq": quant_autoawq}[tool](
-            out, a._quant, **kw)
-        return
+        _each("quant", a._quant.split(","), quantize_one, logs)
     if a._ref:
-        write_reference(out / a._ref)
-        return
+        _each("ref", a._ref.split(","), lambda n: write_reference(out / n), logs)
 
     t_start = time.time()
     out.mkdir(parents=True, exist_ok=True)
-    logs = out / "logs"
     logs.mkdir(exist_ok=True)
     names = [n for n in (a.only.split(",") if a.only else CHECKPOINTS) if n]
     for n in names:
@@ -374,26 +504,37 @@ def main() -> None:
     build_fp32(out)
     write_reference(out / "fp32")
     ref = torch.load(out / "fp32" / "reference_logits.pt")
-    summary: dict = {"out": str(out), "checkpoints": {}}
+    summary: dict = {"out": str(out), "calib_samples": CALIB_SAMPLES, "checkpoints": {}, "processes": {}}
     summary["checkpoints"]["fp32"] = {"written": True, "logit_std": float(ref["logits"].std()),
                                       **inspect_dir(out / "fp32")}
+    common = ["--out", str(out), "--calib-samples", str(CALIB_SAMPLES)]
+
+    def batches(key) -> dict[str, list[str]]:
+        if a.isolate:
+            return {n: [n] for n in names}
+        groups: dict[str, list[str]] = {}
+        for n in names:
+            groups.setdefault(key(n), []).append(n)
+        return groups
+
+    quant, refs, summary["processes"] = _run_all(
+        batches(lambda n: CHECKPOINTS[n][0]), batches(_ref_family), out, common, logs, a.timeout,
+        a.jobs)
+    names_written = {n for n in names if quant[n]["error"] is None and (out / n / "config.json").exists()}
 
     for n in names:
-        ent: dict = {"tool": CHECKPOINTS[n][0]}
-        rc, dt, tail = _run_child(["--out", str(out), "--_quant", n], logs / f"{n}.quant.log", a.timeout)
-        ent["quant_s"] = round(dt, 1)
+        ent: dict = {"tool": CHECKPOINTS[n][0], "quant_s": quant[n]["seconds"]}
         d = out / n
-        if rc != 0 or not (d / "config.json").exists():
-            ent.update(written=False, error=f"quantize rc={rc}: {tail}")
+        if n not in names_written:
+            ent.update(written=False, error=f"quantize: {quant[n]['error'] or 'no config.json written'}")
             summary["checkpoints"][n] = ent
-            print(f"[{n}] FAILED quantize ({dt:.0f}s): {tail}", file=sys.stderr, flush=True)
+            print(f"[{n}] FAILED quantize: {ent['error']}", file=sys.stderr, flush=True)
             continue
         ent["written"] = True
         if (d / "PRODUCER").exists():
             ent["producer"] = (d / "PRODUCER").read_text().strip()
-        rc, dt, tail = _run_child(["--out", str(out), "--_ref", n], logs / f"{n}.ref.log", a.timeout)
-        ent["ref_s"] = round(dt, 1)
-        if rc == 0 and (d / "reference_logits.pt").exists():
+        ent["ref_s"] = refs[n]["seconds"]
+        if refs[n]["error"] is None and (d / "reference_logits.pt").exists():
             r = torch.load(d / "reference_logits.pt")
             assert torch.equal(r["input_ids"], ref["input_ids"])
             ent["max_abs_logit_diff_vs_fp32"] = float((r["logits"] - ref["logits"]).abs().max())
@@ -408,7 +549,7 @@ def main() -> None:
                 ent["max_abs_logit_diff_auto_kernel_vs_precise"] = float(
                     (r["logits_auto_kernel"] - r["logits"]).abs().max())
         else:
-            ent["ref_error"] = f"HF load rc={rc}: {tail}"
+            ent["ref_error"] = f"HF load: {refs[n]['error'] or 'no reference_logits.pt written'}"
         ent.update(inspect_dir(d))
         summary["checkpoints"][n] = ent
         print(f"[{n}] ok quant={ent['quant_s']}s ref={ent['ref_s']}s "
