@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.heron-installed
 PROMPT ?= Write a haiku about paged attention.
 
-.PHONY: install test serve generate chat bench clean
+.PHONY: install test serve generate chat bench clean reference-tools
 
 install: $(STAMP)
 
@@ -23,6 +23,27 @@ $(STAMP): pyproject.toml Makefile
 
 test: $(STAMP)
 	$(PY) -m pytest -q
+
+# The reference quantization tools (llm-compressor, GPTQModel, AutoAWQ, optimum) in a test-only
+# venv, never heron's: tests/test_quant_reference_tools.py runs them to write checkpoints heron
+# must load, and to load the ones `heron quantize` writes. Without this venv those tests skip.
+# constraints.txt pins torch==2.13.0 for every install, so no tool pulls another torch.
+QUANT_VENV ?= .venv/peers/quant
+QUANT_PY := $(QUANT_VENV)/bin/python
+QUANT_STAMP := $(QUANT_VENV)/.heron-reference-tools
+QUANT_REQ := benchmarks/quant_reference
+reference-tools: $(QUANT_STAMP)
+
+$(QUANT_STAMP): $(QUANT_REQ)/requirements.txt $(QUANT_REQ)/requirements-no-deps.txt \
+		$(QUANT_REQ)/constraints.txt
+	$(PYTHON) -m venv $(QUANT_VENV)
+	$(QUANT_PY) -m pip install --quiet --upgrade pip
+	$(QUANT_PY) -m pip install --quiet -c $(QUANT_REQ)/constraints.txt torch==2.13.0
+	$(QUANT_PY) -m pip install --quiet -c $(QUANT_REQ)/constraints.txt -r $(QUANT_REQ)/requirements.txt
+	$(QUANT_PY) -m pip install --quiet -c $(QUANT_REQ)/constraints.txt --no-deps \
+		-r $(QUANT_REQ)/requirements-no-deps.txt
+	$(QUANT_PY) -c "import torch, llmcompressor, gptqmodel, awq, optimum; assert torch.__version__.startswith('2.13.0'), torch.__version__"
+	touch $(QUANT_STAMP)
 
 HOST ?= 127.0.0.1
 PORT ?= 8000
