@@ -238,3 +238,26 @@ def test_kernel_errors():
            torch.zeros(4, 1), 60, 4)
     with pytest.raises(RuntimeError, match="contiguous"):
         op(x, torch.zeros(32, 4, dtype=torch.uint8).t(), w.scales, w.mins, 32, 4)
+
+
+def test_fp8_linear_decodes_every_e4m3_value_exactly():
+    """Every float8_e4m3fn byte but NaN (subnormals, both zeros, +-448): the identity times
+    the weight gives back torch's own decoding of each byte."""
+    assert cpu.load()
+    codes = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8)
+    weight = codes[:248].view(torch.float8_e4m3fn).reshape(31, 8)
+    y = torch.ops.heron_cpu.fp8_linear(torch.eye(8), weight, torch.ones(31))
+    assert torch.equal(y.T, weight.to(torch.float32))
+
+
+@pytest.mark.parametrize("m", [1, 3, 20])
+def test_fp8_linear_matches_the_float64_reference(m):
+    assert cpu.load()
+    gen = torch.Generator().manual_seed(m)
+    weight = (torch.randn(40, 96, generator=gen) * 50).to(torch.float8_e4m3fn)
+    scale = torch.rand(40, generator=gen) + 0.5
+    x = torch.randn(m, 96, generator=gen)
+    w64 = weight.to(torch.float64) * scale.double()[:, None]
+    y = torch.ops.heron_cpu.fp8_linear(x, weight, scale).double()
+    ref = x.double() @ w64.T
+    assert (y - ref).abs().max().item() <= TOLERANCE * (x.double().abs() @ w64.abs().T).max()

@@ -40,7 +40,11 @@ def test_published_format_matches_dequantized_reference(tiny, tmp_path, scheme):
     tokens, logprobs = _heron(tmp_path / scheme)
     ref_tokens, ref_logprobs = hf_greedy(reference_model(hf, dequantized, scheme), PROMPT, 8)
     assert tokens == ref_tokens
-    tol = 1e-4 if SCHEMES[scheme][2] is None else 2e-3  # activation rounding at ties
+    # Quantized activations: heron's CPU kernels sum in another order than HF's float GEMM,
+    # and a last-bit difference can move one activation onto the next 8-bit level. On
+    # ct-fp8-static that happens at step 7: heron's kernel and heron's torch emulation agree
+    # to 1e-6 before it and differ by 1.1e-2 and 2.6e-2 after; weights alone stay at 1e-6.
+    tol = 1e-4 if SCHEMES[scheme][2] is None else 5e-2
     for step, ref in zip(logprobs, ref_logprobs):
         for token, value in ref.items():
             assert abs(step[token][0] - value) < tol

@@ -38,19 +38,19 @@ using namespace heron_cpu::quant;
 // Up to kGemvMaxRows rows of x the GEMV beats dequantize + GEMM (measured on AVX2).
 constexpr int64_t kGemvMaxRows = 12;
 
-template <bool kNibbles>
+template <Format kFormat>
 void gemv(const Operands& o) {
   const int64_t blocks = (o.N + kBlockRows - 1) / kBlockRows;
   const int64_t grain = std::max<int64_t>(1, 16384 / (kBlockRows * o.K * o.M));
   at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b) {
       const int64_t n0 = b * kBlockRows;
-      gemv_block<kNibbles>(o, n0, std::min(kBlockRows, o.N - n0));
+      gemv_block<kFormat>(o, n0, std::min(kBlockRows, o.N - n0));
     }
   });
 }
 
-template <bool kNibbles>
+template <Format kFormat>
 void dequantize_gemm(const Operands& o) {
   constexpr int64_t kTile = 48;  // output features dequantized at a time: 4 x 12 or 8 x 6
   std::vector<float> strips((o.M + kLanes - 1) / kLanes * kLanes * o.K);
@@ -60,10 +60,49 @@ void dequantize_gemm(const Operands& o) {
     std::vector<float> w(kTile * o.K);
     for (int64_t t = begin; t < end; ++t) {
       const int64_t n0 = t * kTile, rows = std::min(kTile, o.N - n0);
-      dequantize_rows<kNibbles>(o, n0, rows, w.data());
+      dequantize_rows<kFormat>(o, n0, rows, w.data());
       gemm_tile(o, strips.data(), w.data(), n0, rows);
     }
   });
+}
+
+// y = x @ dequantize(weight).T for any layout: the GEMV up to kGemvMaxRows rows of x, the
+// dequantize + register-tiled GEMM above. scales, mins: contiguous float32 (N, K / group_size).
+at::Tensor multiply(const at::Tensor& x, const uint8_t* q, const at::Tensor& scales,
+                    const at::Tensor& mins, int64_t group_size, Format format,
+                    int64_t q_stride) {
+  const auto xc = x.contiguous();
+  const int64_t M = x.size(0), K = x.size(1), N = scales.size(0), G = scales.size(1);
+  auto y = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return y;
+  if (K == 0) return y.zero_();
+  std::vector<float> x_sums;
+  Operands o{xc.data_ptr<float>(), q, scales.data_ptr<float>(), mins.data_ptr<float>(),
+             nullptr, y.data_ptr<float>(), M, N, K, G, group_size, q_stride};
+  if (M <= kGemvMaxRows) {
+    if (M == 1) {
+      x_sums.resize(G);
+      for (int64_t g = 0; g < G; ++g) {
+        vfloat acc{};
+        for (int64_t k = g * group_size; k < (g + 1) * group_size; k += kLanes)
+          acc += load(o.x + k);
+        x_sums[g] = hsum(acc);
+      }
+      o.x_sums = x_sums.data();
+    }
+    switch (format) {
+      case Format::kNibbles: gemv<Format::kNibbles>(o); break;
+      case Format::kBytes: gemv<Format::kBytes>(o); break;
+      case Format::kFp8: gemv<Format::kFp8>(o); break;
+    }
+  } else {
+    switch (format) {
+      case Format::kNibbles: dequantize_gemm<Format::kNibbles>(o); break;
+      case Format::kBytes: dequantize_gemm<Format::kBytes>(o); break;
+      case Format::kFp8: dequantize_gemm<Format::kFp8>(o); break;
+    }
+  }
+  return y;
 }
 
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
@@ -76,7 +115,7 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at
   TORCH_CHECK(scales.scalar_type() == at::kFloat && mins.scalar_type() == at::kFloat &&
                   scales.is_contiguous() && mins.is_contiguous(),
               "quant_linear: scales and mins must be contiguous float32 tensors");
-  const int64_t M = x.size(0), K = x.size(1), N = qweight.size(0);
+  const int64_t K = x.size(1), N = qweight.size(0);
   TORCH_CHECK(K % 8 == 0, "quant_linear: in features (", K, ") must be a multiple of 8");
   TORCH_CHECK(group_size > 0 && group_size % 8 == 0 && K % group_size == 0,
               "quant_linear: group_size (", group_size, ") must be a multiple of 8 dividing K (",
@@ -89,37 +128,36 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at
                   mins.sizes() == scales.sizes(),
               "quant_linear: scales and mins must be (N, K / group_size) = (", N, ", ", G,
               "), got ", scales.sizes(), " and ", mins.sizes());
-  const auto xc = x.contiguous();
-  auto y = at::empty({M, N}, x.options());
-  if (M == 0 || N == 0) return y;
-  if (K == 0) return y.zero_();
-  std::vector<float> x_sums;
-  Operands o{xc.data_ptr<float>(), qweight.data_ptr<uint8_t>(), scales.data_ptr<float>(),
-             mins.data_ptr<float>(), nullptr, y.data_ptr<float>(), M, N, K, G, group_size,
-             q_stride};
-  if (M <= kGemvMaxRows) {
-    if (M == 1) {
-      x_sums.resize(G);
-      for (int64_t g = 0; g < G; ++g) {
-        vfloat acc{};
-        for (int64_t k = g * group_size; k < (g + 1) * group_size; k += kLanes)
-          acc += load(o.x + k);
-        x_sums[g] = hsum(acc);
-      }
-      o.x_sums = x_sums.data();
-    }
-    nibbles ? gemv<true>(o) : gemv<false>(o);
-  } else {
-    nibbles ? dequantize_gemm<true>(o) : dequantize_gemm<false>(o);
-  }
-  return y;
+  return multiply(x, qweight.data_ptr<uint8_t>(), scales, mins, group_size,
+                  nibbles ? Format::kNibbles : Format::kBytes, q_stride);
 }
 
+// x (M, K) float32 times fp8 (float8_e4m3fn) weights (N, K) with one scale per row (N,):
+// y = x @ (weight * scale[:, None]).T, the weight decoded exactly 8 values at a time.
+at::Tensor fp8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "fp8_linear: x must be a 2-D "
+              "float32 tensor (M, K), got ", x.scalar_type(), " of shape ", x.sizes());
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat8_e4m3fn &&
+                  weight.is_contiguous() && weight.size(1) == x.size(1),
+              "fp8_linear: weight must be a contiguous float8_e4m3fn (N, ", x.size(1), ")");
+  TORCH_CHECK(x.size(1) % 8 == 0, "fp8_linear: in features (", x.size(1),
+              ") must be a multiple of 8");
+  const int64_t N = weight.size(0), K = weight.size(1);
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.numel() == N,
+              "fp8_linear: scale must be float32 with one value per row (", N, ")");
+  const auto scales = scale.reshape({N, 1}).contiguous();
+  return multiply(x, static_cast<const uint8_t*>(weight.data_ptr()), scales,
+                  at::zeros_like(scales), K, Format::kFp8, K);
+}
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(heron_cpu, m) {
   m.def("quant_linear(Tensor x, Tensor qweight, Tensor scales, Tensor mins, int group_size, "
         "int bits) -> Tensor");
+  m.def("fp8_linear(Tensor x, Tensor weight, Tensor scale) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(heron_cpu, CPU, m) { m.impl("quant_linear", &quant_linear); }
+TORCH_LIBRARY_IMPL(heron_cpu, CPU, m) {
+  m.impl("quant_linear", &quant_linear);
+  m.impl("fp8_linear", &fp8_linear);
+}

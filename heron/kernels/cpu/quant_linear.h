@@ -27,6 +27,10 @@ typedef float vfloat4 __attribute__((vector_size(16)));
 // masked, one immediate shift and one AND for 8 values. Bytes (5..8 bits): one value a byte.
 constexpr int64_t kChunkValues = 64, kChunkBytes = 32, kChunkRuns = kChunkValues / kLanes;
 
+// How a weight row stores its values: packed nibbles, one unsigned integer a byte, or one
+// float8_e4m3fn a byte (FP8 weights: scales per row, mins 0).
+enum class Format { kNibbles, kBytes, kFp8 };
+
 // A row's bytes per run of 8 values, as an average (nibbles: 32 bytes per 8 runs).
 inline int64_t row_bytes(bool nibbles, int64_t K) {
   return nibbles ? (K + kChunkValues - 1) / kChunkValues * kChunkBytes : K;
@@ -41,17 +45,17 @@ inline vfloat chunk_run(vuint chunk, int i) {
 }
 
 // Run `run` (values 8 run .. 8 run + 7) of the packed row as floats.
-template <bool kNibbles>
+template <Format kFormat>
 inline vfloat run_values(const uint8_t* row, int64_t run);
 
 template <>
-inline vfloat run_values<true>(const uint8_t* row, int64_t run) {
+inline vfloat run_values<Format::kNibbles>(const uint8_t* row, int64_t run) {
   return chunk_run(load_chunk(row + run / kChunkRuns * kChunkBytes),
                    static_cast<int>(run % kChunkRuns));
 }
 
 template <>
-inline vfloat run_values<false>(const uint8_t* row, int64_t run) {
+inline vfloat run_values<Format::kBytes>(const uint8_t* row, int64_t run) {
   const uint8_t* p = row + run * kLanes;
 #if defined(__AVX2__)
   // GCC scalarizes the generic widening below; this is one vpmovzxbd.
@@ -61,6 +65,25 @@ inline vfloat run_values<false>(const uint8_t* row, int64_t run) {
   const vbyte8 b = *reinterpret_cast<const vbyte8*>(p);
   return __builtin_convertvector(__builtin_convertvector(b, vint), vfloat);
 #endif
+}
+
+// Eight float8_e4m3fn bytes as floats, exactly: a normal value's exponent and mantissa move
+// into float's fields (exponent bias 7 -> 127: + 120 << 23); a subnormal one (exponent 0) is
+// mantissa * 2^-9. The sign bit moves to bit 31.
+template <>
+inline vfloat run_values<Format::kFp8>(const uint8_t* row, int64_t run) {
+  const uint8_t* p = row + run * kLanes;
+#if defined(__AVX2__)
+  const vint b = __builtin_bit_cast(
+      vint, _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+#else
+  const vint b = __builtin_convertvector(*reinterpret_cast<const vbyte8*>(p), vint);
+#endif
+  const vint magnitude = b & 0x7F, sign = (b & 0x80) << 24;
+  const vint normal = (magnitude << 20) + (120 << 23);
+  const vfloat subnormal = __builtin_convertvector(magnitude, vfloat) * splat(1.f / 512);
+  const vint bits = magnitude < 8 ? __builtin_bit_cast(vint, subnormal) : normal;
+  return __builtin_bit_cast(vfloat, bits | sign);
 }
 
 // The sum of the lanes, as a tree (a short dependency chain).
@@ -96,7 +119,7 @@ inline float dot(const float* a, const float* b, int64_t n) {
 // scaled once; the offsets are one dot product with x's group sums at the end. kSets sets of
 // accumulators take turns over a group's runs, so R * kSets FMA chains hide the latency.
 // Any layout and group size (a multiple of 8); nibble rows with 64 | K take gemv_chunks.
-template <bool kNibbles, int R, int kSets>
+template <Format kFormat, int R, int kSets>
 void gemv_one_row(const Operands& o, int64_t n0) {
   const int64_t runs = o.group_size / kLanes;
   const uint8_t* q[R];
@@ -110,12 +133,12 @@ void gemv_one_row(const Operands& o, int64_t n0) {
     for (; c + kSets <= runs; c += kSets) {
       for (int s = 0; s < kSets; ++s, x += kLanes, ++run) {
         const vfloat xv = load(x);
-        for (int r = 0; r < R; ++r) acc[s][r] += run_values<kNibbles>(q[r], run) * xv;
+        for (int r = 0; r < R; ++r) acc[s][r] += run_values<kFormat>(q[r], run) * xv;
       }
     }
     for (; c < runs; ++c, x += kLanes, ++run) {  // runs left over by the sets
       const vfloat xv = load(x);
-      for (int r = 0; r < R; ++r) acc[0][r] += run_values<kNibbles>(q[r], run) * xv;
+      for (int r = 0; r < R; ++r) acc[0][r] += run_values<kFormat>(q[r], run) * xv;
     }
     for (int r = 0; r < R; ++r) {
       vfloat sum = acc[0][r];
@@ -172,7 +195,7 @@ inline int chunk_group_runs(const Operands& o) {
 
 // MT rows of x from m0 times R output features from n0: each run of 8 values is dequantized
 // once (q * scale + min) and multiplies all MT rows.
-template <bool kNibbles, int MT, int R>
+template <Format kFormat, int MT, int R>
 void gemv_tile(const Operands& o, int64_t m0, int64_t n0) {
   const int64_t runs = o.group_size / kLanes;
   const uint8_t* q[R];
@@ -189,7 +212,7 @@ void gemv_tile(const Operands& o, int64_t m0, int64_t n0) {
     }
     for (int64_t c = 0; c < runs; ++c, ++run) {
       vfloat w[R];
-      for (int r = 0; r < R; ++r) w[r] = run_values<kNibbles>(q[r], run) * s[r] + z[r];
+      for (int r = 0; r < R; ++r) w[r] = run_values<kFormat>(q[r], run) * s[r] + z[r];
       for (int m = 0; m < MT; ++m) {
         const vfloat xv = load(x + m * o.K + run * kLanes);
         for (int r = 0; r < R; ++r) acc[m][r] += w[r] * xv;
@@ -203,24 +226,24 @@ void gemv_tile(const Operands& o, int64_t m0, int64_t n0) {
 // Output features per gemv_tile for MT rows of x. More rows share each load of x, but the
 // hardware prefetcher follows interleaved weight rows badly (measured: one row at a time is
 // fastest for the 8-bit layout, two for 4-bit, whose values cost more to unpack).
-template <bool kNibbles, int MT>
-constexpr int kTileRows = kNibbles && MT <= 6 ? 2 : 1;
+template <Format kFormat, int MT>
+constexpr int kTileRows = kFormat == Format::kNibbles && MT <= 6 ? 2 : 1;
 
 // Rows m0 .. m0 + MT of x times output features n0 .. n0 + rows.
-template <bool kNibbles, int MT>
+template <Format kFormat, int MT>
 void gemv_rows(const Operands& o, int64_t m0, int64_t n0, int64_t rows) {
-  constexpr int R = kTileRows<kNibbles, MT>;
+  constexpr int R = kTileRows<kFormat, MT>;
   int64_t r = 0;
-  for (; r + R <= rows; r += R) gemv_tile<kNibbles, MT, R>(o, m0, n0 + r);
-  for (; r < rows; ++r) gemv_tile<kNibbles, MT, 1>(o, m0, n0 + r);
+  for (; r + R <= rows; r += R) gemv_tile<kFormat, MT, R>(o, m0, n0 + r);
+  for (; r < rows; ++r) gemv_tile<kFormat, MT, 1>(o, m0, n0 + r);
 }
 
 // Output features n0 .. n0 + rows for one row of x, R at a time.
-template <bool kNibbles, int R, int kSets>
+template <Format kFormat, int R, int kSets>
 void one_rows(const Operands& o, int64_t n0, int64_t rows) {
   int64_t r = 0;
-  for (; r + R <= rows; r += R) gemv_one_row<kNibbles, R, kSets>(o, n0 + r);
-  for (; r < rows; ++r) gemv_one_row<kNibbles, 1, kSets>(o, n0 + r);
+  for (; r + R <= rows; r += R) gemv_one_row<kFormat, R, kSets>(o, n0 + r);
+  for (; r < rows; ++r) gemv_one_row<kFormat, 1, kSets>(o, n0 + r);
 }
 
 constexpr int64_t kMaxTileM = 8;  // rows of x one gemv_tile multiplies
@@ -228,47 +251,49 @@ constexpr int64_t kBlockRows = 8;  // output features per gemv_block
 
 // Every row of x times output features n0 .. n0 + rows (rows <= kBlockRows, a block whose
 // weights stay in L1 while tiles of up to kMaxTileM rows of x pass over them).
-template <bool kNibbles>
+template <Format kFormat>
 void gemv_block(const Operands& o, int64_t n0, int64_t rows) {
-  if (o.M == 1) {
-    if constexpr (kNibbles) {
+  if (o.M == 1 && kFormat != Format::kFp8) {
+    // (fp8 takes the tiles below: each weight is scaled before it multiplies x, the rounding
+    // of a float GEMM on the dequantized weight, which fp8 activations are sensitive to)
+    if constexpr (kFormat == Format::kNibbles) {
       switch (chunk_group_runs(o)) {
         case 1: for (int64_t r = 0; r < rows; ++r) gemv_chunks<1>(o, n0 + r); return;
         case 2: for (int64_t r = 0; r < rows; ++r) gemv_chunks<2>(o, n0 + r); return;
         case 4: for (int64_t r = 0; r < rows; ++r) gemv_chunks<4>(o, n0 + r); return;
         case kChunkRuns: for (int64_t r = 0; r < rows; ++r) gemv_chunks<kChunkRuns>(o, n0 + r);
           return;
-        default: one_rows<kNibbles, 1, 2>(o, n0, rows); return;
+        default: one_rows<kFormat, 1, 2>(o, n0, rows); return;
       }
     }
     // One weight row at a time keeps the reads close to one sequential stream (the hardware
     // prefetcher loses track of more), with as many sets of accumulators as a group's runs
     // fill (measured).
     const int64_t runs = o.group_size / kLanes;
-    runs >= 4   ? one_rows<kNibbles, 1, 4>(o, n0, rows)
-    : runs >= 2 ? one_rows<kNibbles, 1, 2>(o, n0, rows)
-                : one_rows<kNibbles, 1, 1>(o, n0, rows);
+    runs >= 4   ? one_rows<kFormat, 1, 4>(o, n0, rows)
+    : runs >= 2 ? one_rows<kFormat, 1, 2>(o, n0, rows)
+                : one_rows<kFormat, 1, 1>(o, n0, rows);
     return;
   }
   const int64_t tiles = (o.M + kMaxTileM - 1) / kMaxTileM;
   for (int64_t t = 0, m0 = 0; t < tiles; ++t) {
     const int64_t mt = (o.M - m0) / (tiles - t);  // near-equal tiles
     switch (mt) {
-      case 1: gemv_rows<kNibbles, 1>(o, m0, n0, rows); break;
-      case 2: gemv_rows<kNibbles, 2>(o, m0, n0, rows); break;
-      case 3: gemv_rows<kNibbles, 3>(o, m0, n0, rows); break;
-      case 4: gemv_rows<kNibbles, 4>(o, m0, n0, rows); break;
-      case 5: gemv_rows<kNibbles, 5>(o, m0, n0, rows); break;
-      case 6: gemv_rows<kNibbles, 6>(o, m0, n0, rows); break;
-      case 7: gemv_rows<kNibbles, 7>(o, m0, n0, rows); break;
-      default: gemv_rows<kNibbles, 8>(o, m0, n0, rows); break;
+      case 1: gemv_rows<kFormat, 1>(o, m0, n0, rows); break;
+      case 2: gemv_rows<kFormat, 2>(o, m0, n0, rows); break;
+      case 3: gemv_rows<kFormat, 3>(o, m0, n0, rows); break;
+      case 4: gemv_rows<kFormat, 4>(o, m0, n0, rows); break;
+      case 5: gemv_rows<kFormat, 5>(o, m0, n0, rows); break;
+      case 6: gemv_rows<kFormat, 6>(o, m0, n0, rows); break;
+      case 7: gemv_rows<kFormat, 7>(o, m0, n0, rows); break;
+      default: gemv_rows<kFormat, 8>(o, m0, n0, rows); break;
     }
     m0 += mt;
   }
 }
 
 // Output features n0 .. n0 + rows as a float (rows, K) matrix.
-template <bool kNibbles>
+template <Format kFormat>
 void dequantize_rows(const Operands& o, int64_t n0, int64_t rows, float* out) {
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t n = n0 + r;
@@ -277,7 +302,7 @@ void dequantize_rows(const Operands& o, int64_t n0, int64_t rows, float* out) {
     for (int64_t g = 0, k0 = 0; g < o.G; ++g, k0 += o.group_size) {
       const vfloat s = splat(o.scales[n * o.G + g]), z = splat(o.mins[n * o.G + g]);
       for (int64_t k = k0; k < k0 + o.group_size; k += kLanes)
-        store(w + k, run_values<kNibbles>(q, k / kLanes) * s + z);
+        store(w + k, run_values<kFormat>(q, k / kLanes) * s + z);
     }
   }
 }

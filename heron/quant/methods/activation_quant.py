@@ -11,7 +11,8 @@ int8 values; fp32 accumulation) since torch's ``_int_mm`` has no fast CPU path; 
 through ``torch._int_mm`` (int32 accumulation). FP8 with quantized activations runs
 ``torch._scaled_mm`` (row-wise scales: per token for x, per output row for the weight) where
 the GPU has fp8 tensor cores (compute capability 8.9+: Ada, Hopper); elsewhere it is
-emulated: activations rounded through float8_e4m3fn, the weight dequantized a tile at a time.
+emulated: activations rounded through float8_e4m3fn, the weight decoded exactly from its fp8
+bytes (on CPU by heron's kernel, ``torch.ops.heron_cpu.fp8_linear``; else a tile at a time).
 """
 
 from __future__ import annotations
@@ -31,6 +32,12 @@ _TILE_FLOATS = 1 << 22  # weight elements dequantized at once by the FP8 emulati
 def int_mm_is_fast(weight: torch.Tensor) -> bool:
     """torch._int_mm has a fast kernel on CUDA only (on CPU it is a naive loop)."""
     return weight.is_cuda
+
+
+def _cpu_kernel_ready() -> bool:
+    from heron.kernels import cpu
+
+    return cpu.load()
 
 
 def _scale_params(layer, strategy: str, with_zero_point: bool) -> None:
@@ -179,6 +186,10 @@ class FP8LinearMethod(LinearMethod):
                 return y if bias is None else y + bias
             x2 = xq.to(torch.float32) * sx
         w, scale = layer.weight.data, layer.row_scale
+        if w.is_cpu and _cpu_kernel_ready():  # fp8 decoded in the kernel, 8 values at a time
+            y = torch.ops.heron_cpu.fp8_linear(x2.contiguous(), w, scale)
+            y = y.to(x.dtype).reshape(*lead, -1)
+            return y if bias is None else y + bias
         y = x2.new_empty(x2.shape[0], w.shape[0])
         tile = max(1, _TILE_FLOATS // w.shape[1])
         for n0 in range(0, w.shape[0], tile):
