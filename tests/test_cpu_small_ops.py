@@ -72,7 +72,7 @@ def test_write_kv_fills_the_slots_and_refuses_others():
         ops.write_kv(k, v, key_cache, value_cache, torch.tensor([0, 8, 1]))
 
 
-def test_layers_use_the_kernels_for_cpu_float32_only(monkeypatch):
+def test_layers_use_the_kernels_for_cpu_float32_inference_only(monkeypatch):
     norm = RMSNorm(16, 1e-5)
     norm.weight.data.normal_()
     x = torch.randn(3, 16)
@@ -80,8 +80,14 @@ def test_layers_use_the_kernels_for_cpu_float32_only(monkeypatch):
     real = ops.rms_norm
     monkeypatch.setattr(torch.ops.heron_cpu, "rms_norm",
                         lambda *a: calls.append(a) or real(*a), raising=False)
-    norm(x)
-    assert len(calls) == 1
-    assert dispatch.cpu_ops_enabled(x) and not dispatch.cpu_ops_enabled(x.bfloat16())
-    half = norm.to(torch.bfloat16)(x.bfloat16())  # the torch formula, not the kernel
-    assert half.dtype == torch.bfloat16 and len(calls) == 1
+    with torch.inference_mode():
+        norm(x)
+        assert len(calls) == 1
+        assert dispatch.cpu_ops_enabled(x) and not dispatch.cpu_ops_enabled(x.bfloat16())
+        half = norm.to(torch.bfloat16)(x.bfloat16())  # the torch formula, not the kernel
+        assert half.dtype == torch.bfloat16 and len(calls) == 1
+    trained = RMSNorm(16, 1e-5)
+    trained.weight.data.normal_()
+    trained.weight.requires_grad_(True)
+    trained(x).sum().backward()  # autograd on: the torch formula, which has a backward
+    assert len(calls) == 1 and trained.weight.grad is not None
