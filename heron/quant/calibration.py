@@ -42,13 +42,10 @@ def held_out_text() -> str:
 
 def calibration_text(source: str) -> str:
     """``shakespeare`` (less the held-out play) or the text of the file ``source``."""
-    if source == "shakespeare":
-        return "\n\n".join(f.read_text(encoding="utf-8", errors="replace")
-                           for f in calibration_files())
-    path = Path(source).expanduser()
-    if not path.is_file():
-        raise ValueError(f"--calib must be 'shakespeare' or a text file; {source!r} is neither")
-    return path.read_text(encoding="utf-8", errors="replace")
+    from heron.training.draft_data import text_from
+
+    return text_from(source, calibration_files,
+                     f"--calib must be 'shakespeare' or a text file; {source!r} is neither")
 
 
 def _bos_id(tokenizer) -> int | None:

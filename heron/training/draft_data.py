@@ -62,16 +62,21 @@ def text_sequences(text: str, tokenizer, max_tokens: int, chunk_len: int) -> lis
     return [DraftSequence(list(c)) for c in chunks if len(c) >= 3]
 
 
+def text_from(source: str, plays, error: str) -> str:
+    """``plays()``'s files joined when ``source`` is ``shakespeare``, else the text of the file
+    ``source``; ValueError(error) when it is neither."""
+    if source == "shakespeare":
+        return "\n\n".join(f.read_text(encoding="utf-8", errors="replace") for f in plays())
+    path = Path(source).expanduser()
+    if not path.is_file():
+        raise ValueError(error)
+    return path.read_text(encoding="utf-8", errors="replace")
+
+
 def read_text_source(data: str) -> str:
     """The text of ``shakespeare`` or of the file ``data``."""
-    if data == "shakespeare":
-        return "\n\n".join(f.read_text(encoding="utf-8", errors="replace")
-                           for f in shakespeare_texts())
-    path = Path(data).expanduser()
-    if not path.is_file():
-        raise ValueError(f"--data must be one of {', '.join(SOURCES)} or a text file; "
-                         f"{data!r} is neither")
-    return path.read_text(encoding="utf-8", errors="replace")
+    return text_from(data, shakespeare_texts, f"--data must be one of {', '.join(SOURCES)} or "
+                                              f"a text file; {data!r} is neither")
 
 
 def generate_sequences(model: str | None, num_prompts: int, max_tokens: int,
