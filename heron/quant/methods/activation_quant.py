@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from heron.kernels import cpu as cpu_kernels
 from heron.kernels.fp8_gemm import scaled_mm_is_fast, scaled_mm_rowwise
 from heron.quant.base import FULL, LinearMethod, ParamLayout, add_param
 from heron.quant.int_layout import GroupedIntWeight, quant_linear
@@ -32,12 +33,6 @@ _TILE_FLOATS = 1 << 22  # weight elements dequantized at once by the FP8 emulati
 def int_mm_is_fast(weight: torch.Tensor) -> bool:
     """torch._int_mm has a fast kernel on CUDA only (on CPU it is a naive loop)."""
     return weight.is_cuda
-
-
-def _cpu_kernel_ready() -> bool:
-    from heron.kernels import cpu
-
-    return cpu.load()
 
 
 def _scale_params(layer, strategy: str, with_zero_point: bool) -> None:
@@ -186,7 +181,7 @@ class FP8LinearMethod(LinearMethod):
                 return y if bias is None else y + bias
             x2 = xq.to(torch.float32) * sx
         w, scale = layer.weight.data, layer.row_scale
-        if w.is_cpu and _cpu_kernel_ready():  # fp8 decoded in the kernel, 8 values at a time
+        if w.is_cpu and cpu_kernels.load():  # fp8 decoded in the kernel, 8 values at a time
             y = torch.ops.heron_cpu.fp8_linear(x2.contiguous(), w, scale)
             y = y.to(x.dtype).reshape(*lead, -1)
             return y if bias is None else y + bias
