@@ -209,8 +209,9 @@ def test_metrics_render_and_counters_move():
                                first_token=0.5, finish=1.1, queue_time=0.2,
                                finish_reason="length", token_times=[0.5, 0.7, 0.9, 1.1])
     m.update_engine_stats({"num_running": 3, "num_waiting": 2, "kv_cache_usage": 0.25,
-                           "num_preemptions": 2})
-    m.update_engine_stats({"num_preemptions": 5})
+                           "num_preemptions": 2, "num_prompt_tokens_total": 10,
+                           "num_generation_tokens_total": 1})
+    m.update_engine_stats({"num_preemptions": 5, "num_generation_tokens_total": 4})
     m.record_rejection(429)
     s = samples(m)
     assert s[("heron:prompt_tokens_total", ())] == 10

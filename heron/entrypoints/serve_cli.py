@@ -33,6 +33,9 @@ def add_parser(sub, engine_args) -> None:
                    help="a request body over this many bytes gets 413")
     g.add_argument("--cost-per-gpu-hour", type=float, default=None,
                    help="publish heron:cost_per_million_tokens_dollars")
+    g.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="after SIGTERM, in-flight requests get this long to finish (new ones "
+                        "503), then are aborted: streams end with an error event, others 503")
     g.add_argument("--kv-events-endpoint", default=None, metavar="ADDR",
                    help="publish prefix-cache events (blocks stored / removed) on a ZMQ PUB "
                         "socket bound here, e.g. tcp://127.0.0.1:5557")
@@ -64,7 +67,7 @@ def run(args) -> int:
         max_queued_sequences=args.max_queued_sequences,
         max_sequences_per_request=args.max_sequences_per_request,
         max_body_bytes=args.max_body_bytes,
-        cost_per_gpu_hour=args.cost_per_gpu_hour)
+        cost_per_gpu_hour=args.cost_per_gpu_hour, shutdown_timeout=args.shutdown_timeout)
     if config.parallel.node_rank > 0:
         from heron.executor.multiproc import run_node_ranks
 

@@ -45,6 +45,7 @@ class ServerSettings:
     max_sequences_per_request: int = 256  # prompts x n of one request
     max_body_bytes: int = 4 * 1024 * 1024
     cost_per_gpu_hour: float | None = None
+    shutdown_timeout: float = 30.0  # s in-flight requests get after SIGTERM; then cut (503)
 
 
 class ServerState:
@@ -132,6 +133,14 @@ def _install_ops_routes(app: FastAPI, state: ServerState) -> None:
         if not client.is_alive():
             return error_response(503, "the engine is not running", "service_unavailable")
         return {"status": "ok"}
+
+    @app.api_route("/ready", methods=["GET", "HEAD"], responses=error_responses(503))
+    async def ready():
+        """200 while this server takes new requests; 503 once it drains or has no engine
+        (a readiness probe: take it out of the load balancer)."""
+        if not client.is_alive():
+            return error_response(503, "the engine is not running", "service_unavailable")
+        return {"status": "ready"}
 
     @app.get("/version")
     async def version():

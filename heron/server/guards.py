@@ -10,6 +10,7 @@ arrive (a chunked body has no Content-Length to trust), then replayed to the app
 from __future__ import annotations
 
 import hmac
+import math
 import logging
 
 from starlette.responses import JSONResponse
@@ -19,8 +20,10 @@ from heron.server.errors import error_body
 
 logger = logging.getLogger("heron.server")
 
-# Paths anyone may call, also when an API key is set (liveness probes, scrapers).
-OPEN_PATHS = frozenset({"/health", "/version", "/metrics"})
+# Paths anyone may call, also when an API key is set (probes, scrapers).
+OPEN_PATHS = frozenset({"/health", "/ready", "/version", "/metrics"})
+# Probes that answer 503 (with Retry-After) while the server drains.
+PROBE_PATHS = ("/health", "/ready")
 # Paths that need a live engine and a server that is not draining.
 ENGINE_PATH_PREFIXES = ("/v1/", "/tokenize", "/detokenize", "/reset_prefix_cache")
 BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
@@ -30,6 +33,14 @@ def error_response(status: int, message: str, type_: str, param=None,
                    headers: dict | None = None) -> JSONResponse:
     return JSONResponse(error_body(message, type_, param, status), status_code=status,
                         headers=headers)
+
+
+def draining_response(settings) -> JSONResponse:
+    """503 while shutting down; Retry-After: the grace period (at least 1 s), after which this
+    server is gone and a replacement may be there."""
+    retry = max(1, math.ceil(settings.shutdown_timeout))
+    return error_response(503, "the server is shutting down", "service_unavailable",
+                          headers={"Retry-After": str(retry)})
 
 
 def api_key_matches(authorization: str | None, key: str) -> bool:
@@ -81,9 +92,9 @@ class GuardMiddleware:
         if key and path not in OPEN_PATHS and not api_key_matches(headers.get("authorization"),
                                                                   key):
             return error_response(401, "invalid or missing API key", "authentication_error")
+        if self.state.draining and (path in PROBE_PATHS or path.startswith(ENGINE_PATH_PREFIXES)):
+            return draining_response(self.state.settings)
         if path.startswith(ENGINE_PATH_PREFIXES):
-            if self.state.draining:
-                return error_response(503, "the server is shutting down", "service_unavailable")
             if not self.state.client.is_alive():
                 return error_response(503, "the engine is not running", "service_unavailable")
         encoding = headers.get("content-encoding", "identity").strip().lower()

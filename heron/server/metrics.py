@@ -61,9 +61,12 @@ class ServerMetrics:
         self.waiting = Gauge("heron:num_requests_waiting", "Requests waiting.", registry=reg)
         self.kv_usage = Gauge("heron:kv_cache_usage_perc", "KV cache usage (1 = full).",
                               registry=reg)
-        self.prompt_tokens = Counter("heron:prompt_tokens", "Prefill tokens processed.",
+        # the engine's own totals (every token it computed, however its request ended)
+        self.prompt_tokens = Counter("heron:prompt_tokens",
+                                     "Prompt tokens of the requests the engine accepted.",
                                      registry=reg)
-        self.generation_tokens = Counter("heron:generation_tokens", "Tokens generated.",
+        self.generation_tokens = Counter("heron:generation_tokens",
+                                         "Tokens generated (aborted requests' too).",
                                          registry=reg)
         self.preemptions = Counter("heron:num_preemptions", "Preemptions.", registry=reg)
         self.prefix_queries = Counter("heron:prefix_cache_queries",
@@ -108,7 +111,8 @@ class ServerMetrics:
                                  queue_time: Optional[float] = None,
                                  finish_reason: Optional[str] = "stop",
                                  token_times: Optional[list[float]] = None) -> None:
-        """Record one finished request.
+        """Record one ended request, whatever ended it (``finish_reason`` "abort" when its
+        client left or the server cut it, "error" when it failed).
 
         ``token_times`` are the times each output token (or streamed delta) arrived; their
         differences feed the inter-token-latency histogram. ``queue_time`` is the time from
@@ -128,8 +132,6 @@ class ServerMetrics:
             self.itl.observe(max(0.0, cur - prev))
         self.prompt_len.observe(prompt_tokens)
         self.gen_len.observe(completion_tokens)
-        self.prompt_tokens.inc(prompt_tokens)
-        self.generation_tokens.inc(completion_tokens)
         self.success.labels(finished_reason=str(finish_reason or "unknown")).inc()
         self.record_tokens(completion_tokens, prompt_tokens)
 
@@ -148,7 +150,9 @@ class ServerMetrics:
             self.waiting.set(stats["num_waiting"])
         if "kv_cache_usage" in stats:
             self.kv_usage.set(stats["kv_cache_usage"])
-        for key, counter in (("num_preemptions", self.preemptions),
+        for key, counter in (("num_prompt_tokens_total", self.prompt_tokens),
+                             ("num_generation_tokens_total", self.generation_tokens),
+                             ("num_preemptions", self.preemptions),
                              ("prefix_cache_queries_total", self.prefix_queries),
                              ("prefix_cache_hits_total", self.prefix_hits),
                              ("num_prefill_tokens_total", self.prefill_computed),

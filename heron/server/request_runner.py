@@ -1,6 +1,6 @@
 """Runs one admitted request against the engine client: tokens in, delta RequestOutputs out
-(folded into final ones for non-streaming answers), with per-request metrics and abort on
-client disconnect."""
+(folded into final ones for non-streaming answers), with per-request metrics (however the
+request ends) and abort on client disconnect."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from heron.engine.core_outputs import RequestOutputKind
 from heron.outputs import OutputAccumulator, RequestOutput
 from heron.sampling_params import SamplingParams
 from heron.server.errors import RequestValidationError
+from heron.transport.async_client import EngineDeadError, RequestFailedError
 
 DISCONNECT_POLL_S = 0.25
 logger = logging.getLogger("heron.server.requests")
@@ -59,12 +60,15 @@ def check_request(state, prompts: list[list[int]], params: SamplingParams) -> No
 class _Tally:
     """What one request's metrics need, gathered from its delta outputs in O(1) each."""
 
+    started: float = field(default_factory=time.monotonic)  # if the engine never said
     completion_tokens: int = 0
     finish_reason: str | None = None  # of completion 0
     token_times: list[float] = field(default_factory=list)
+    last: RequestOutput | None = None
 
     def add(self, out: RequestOutput) -> None:
         self.token_times.append(time.monotonic())
+        self.last = out
         for comp in out.outputs:
             self.completion_tokens += len(comp.token_ids)
             if comp.index == 0 and comp.finish_reason is not None:
@@ -73,37 +77,53 @@ class _Tally:
 
 async def stream_outputs(state, request_id: str, prompt_ids: list[int], params: SamplingParams,
                          cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
-    """Yield delta outputs (``RequestOutputKind.DELTA``); record metrics once it ends."""
-    tally, last = _Tally(), None
+    """Yield delta outputs (``RequestOutputKind.DELTA``). However the request ends, it is
+    counted in the metrics and logged once: finished by the engine (its finish reason),
+    left by its client or cut by the server (``"abort"``), or failed (``"error"``). Only a
+    request the engine refused (ValueError: it never ran) is not."""
+    tally = _Tally()
+    ended = "abort"  # unless it finishes, fails or is refused below
     gen = state.client.generate(request_id, prompt_ids, params, cache_salt,
                                 output_kind=RequestOutputKind.DELTA)
-    # aclosing: closing this generator must close the engine stream now (-> abort), not at GC
-    async with contextlib.aclosing(gen):
-        async for out in gen:
-            tally.add(out)
-            last = out
-            yield out
-    if last is not None:
-        _observe(state.metrics, last, tally)
+    try:
+        # aclosing: closing this generator must close the engine stream now (-> abort), not
+        # at GC
+        async with contextlib.aclosing(gen):
+            async for out in gen:
+                tally.add(out)
+                yield out
+        ended = None
+    except ValueError:
+        ended = "refused"
+        raise
+    except (RequestFailedError, EngineDeadError):
+        ended = "error"
+        raise
+    finally:  # also on GeneratorExit / CancelledError: the client left
+        if ended != "refused":
+            _observe(state.metrics, request_id, len(prompt_ids), tally,
+                     tally.finish_reason or ended or "abort")
 
 
-def _observe(metrics, out: RequestOutput, tally: _Tally) -> None:
-    """Feed the Prometheus metrics and write the one log line per finished request."""
-    m, token_times = out.metrics, tally.token_times
+def _observe(metrics, request_id: str, prompt_tokens: int, tally: _Tally, reason: str) -> None:
+    """Feed the Prometheus metrics and write the one log line per ended request."""
+    out, token_times = tally.last, tally.token_times
+    m = out.metrics if out is not None else {}
     completion = tally.completion_tokens
-    arrival = m.get("arrival_time") or token_times[0]
-    first = m.get("first_token_time") or token_times[0]
-    finish = m.get("finish_time") or token_times[-1]
-    reason = tally.finish_reason or "abort"
+    now = time.monotonic()
+    arrival = m.get("arrival_time") or tally.started
+    first = m.get("first_token_time") or (token_times[0] if token_times else None)
+    finish = m.get("finish_time") or now
     scheduled = m.get("scheduled_time")
     metrics.observe_request_finished(
-        prompt_tokens=len(out.prompt_token_ids), completion_tokens=completion, arrival=arrival,
+        prompt_tokens=prompt_tokens, completion_tokens=completion, arrival=arrival,
         first_token=first, finish=finish, finish_reason=reason, token_times=token_times,
         queue_time=scheduled - arrival if scheduled is not None else None)
-    tpot = (finish - first) / (completion - 1) if completion > 1 else 0.0
-    logger.info("request %s done: prompt=%d cached=%d output=%d ttft=%.3fs tpot=%.4fs "
-                "finish=%s", out.request_id, len(out.prompt_token_ids), out.num_cached_tokens,
-                completion, first - arrival, tpot, reason)
+    tpot = (finish - first) / (completion - 1) if first is not None and completion > 1 else 0.0
+    ttft = f"{first - arrival:.3f}s" if first is not None else "-"
+    logger.info("request %s done: prompt=%d cached=%d output=%d ttft=%s tpot=%.4fs "
+                "finish=%s", request_id, prompt_tokens,
+                out.num_cached_tokens if out is not None else 0, completion, ttft, tpot, reason)
 
 
 async def run_all_to_completion(http_request: Request,

@@ -29,6 +29,7 @@ import zmq
 import zmq.asyncio
 
 from heron.config import EngineConfig
+from heron.errors import EngineStartupError
 from heron.transport import messages as m
 from heron.transport.core_process import run_engine_core
 from heron.loader.model_source import load_tokenizer
@@ -52,6 +53,11 @@ class RequestFailedError(RuntimeError):
     engine itself goes on serving the others."""
 
 
+class RequestAbortedError(RuntimeError):
+    """The server ended this request before it finished (``abort_all``: shutting down and its
+    grace period ran out); the engine was told to abort it and frees its KV blocks."""
+
+
 class AsyncEngineClient:
     """Talks to one engine-core process; use from a single asyncio event loop."""
 
@@ -73,6 +79,7 @@ class AsyncEngineClient:
         self._stats = m.StatsMsg(num_blocks=ready.num_kv_blocks,
                                  num_free_blocks=ready.num_kv_blocks)
         self._dead: str | None = None  # why the engine is unusable, once it is
+        self._refusing: str | None = None  # set by abort_all: why new requests are refused
         self._failed = asyncio.Event()  # set when it died by failure (not by shutdown)
         self._last_heard = time.monotonic()
         self._closed = False
@@ -164,11 +171,14 @@ class AsyncEngineClient:
         Requests share cached prefixes only with requests of the same ``cache_salt``.
 
         Raises ValueError if the engine rejects the request, RequestFailedError if it fails
-        it mid-way, EngineDeadError if the core dies. Closing the generator (or cancelling
-        its consumer) before the end aborts the request.
+        it mid-way, EngineDeadError if the core dies, RequestAbortedError once ``abort_all``
+        has been called. Closing the generator (or cancelling its consumer) before the end
+        aborts the request.
         """
         if self._dead is not None:
             raise EngineDeadError(self._dead)
+        if self._refusing is not None:
+            raise RequestAbortedError(self._refusing)
         if request_id in self._streams:
             raise ValueError(f"duplicate request id {request_id!r}")
         prompt_token_ids = list(prompt_token_ids)
@@ -215,6 +225,19 @@ class AsyncEngineClient:
     def reset_prefix_cache(self) -> None:
         """Free the cached KV blocks no request uses; takes effect before any later request."""
         self._send(m.ResetPrefixCache())
+
+    def abort_all(self, reason: str) -> int:
+        """End every open request with ``RequestAbortedError(reason)`` and refuse new ones
+        the same way; the core aborts them all (their KV blocks are freed) in one message.
+        Returns how many requests were open."""
+        self._refusing = reason
+        request_ids = list(self._streams)
+        for request_id in request_ids:
+            self._processor.abort(request_id)  # tokens still arriving are dropped
+            self._streams[request_id].put_nowait(RequestAbortedError(reason))
+        if request_ids:
+            self._abort_nowait(request_ids)
+        return len(request_ids)
 
     async def abort(self, request_id: str) -> None:
         """Abort a request; its ``generate`` then ends with finish_reason "abort"."""
@@ -301,11 +324,10 @@ async def _wait_ready(proc, out_sock, timeout: float) -> m.ReadyMsg:
             if isinstance(msg, m.ReadyMsg):
                 return msg
             if isinstance(msg, m.ErrorMsg):
-                raise RuntimeError(f"the engine core failed to start: {msg.message}")
+                raise EngineStartupError.from_detail(msg.message)
         elif not proc.is_alive():
-            raise RuntimeError(f"the engine core exited during startup "
-                               f"(exit code {proc.exitcode})")
-    raise RuntimeError(f"the engine core was not ready within {timeout:.0f} s")
+            raise EngineStartupError(f"its process exited (exit code {proc.exitcode})")
+    raise EngineStartupError(f"it was not ready within {timeout:.0f} s")
 
 
 def _stop_process(proc, timeout: float) -> None:
