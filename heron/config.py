@@ -263,6 +263,22 @@ class EngineConfig:
         return "mp" if self.parallel.world_size > 1 else "uni"
 
 
+def default_cpu_threads(ranks_per_node: int, cores: int | None = None) -> tuple[int, str]:
+    """Torch intra-op threads for one CPU rank when ``--threads`` is not given, and why.
+
+    One core is left for the rest (the API server, the scheduler, the tokenizer, other
+    work on the machine): with every core busy in an OpenMP parallel region, one descheduled
+    thread stalls the whole region at its barrier, and a shared machine then runs seconds per
+    token (measured: benchmarks/results/threads.md). The other cores are shared out between
+    this node's ranks; at least one thread each."""
+    cores = cores or len(os.sched_getaffinity(0))
+    threads = max(1, (cores - 1) // ranks_per_node)
+    per_rank = f" for each of {ranks_per_node} ranks" if ranks_per_node > 1 else ""
+    why = ("one left for the API server and scheduler" if cores > 1
+           else "the only core")
+    return threads, f"{threads} of {cores} cores{per_rank} ({why}); --threads to change"
+
+
 # ---- environment ------------------------------------------------------------------------------
 def fault_injection_token() -> int | None:
     """``HERON_FAULT_INJECTION_TOKEN`` (for reliability tests): a request whose prompt holds

@@ -26,6 +26,7 @@ from heron.engine.scheduler import Scheduler
 from heron.engine.sequence_deltas import sequence_delta
 from heron.executor import Executor, make_executor
 from heron.loader.model_source import resolve_model
+from heron.logging_config import startup_phase
 from heron.models import ModelArchConfig, get_model_class
 from heron.models.config import architecture_of
 from heron.sampling_params import SamplingParams, child_seed
@@ -52,9 +53,10 @@ class EngineCore:
     def __init__(self, config: EngineConfig, executor: Executor | None = None) -> None:
         self.config = config
         started = time.monotonic()
-        source = resolve_model(config.model, config.load_format)
-        get_model_class(architecture_of(source.hf_config))  # unsupported: fail before loading
-        self.arch = ModelArchConfig.from_hf(source.hf_config)
+        with startup_phase(logger, "model config", config.model or "embedded SmolLM2"):
+            source = resolve_model(config.model, config.load_format)
+            get_model_class(architecture_of(source.hf_config))  # unsupported: fail early
+            self.arch = ModelArchConfig.from_hf(source.hf_config)
         self.model_name = source.name
         self.tokenizer_dir = source.tokenizer_dir  # where another process can load it from
         self.eos_token_ids = _eos_ids(source, self.arch)

@@ -4,14 +4,18 @@
 from __future__ import annotations
 
 import itertools
+import logging
 
 from heron.config import EngineConfig
 from heron.engine.core import EngineCore
 from heron.engine.core_outputs import RequestOutputKind
 from heron.engine.output_processor import OutputProcessor
 from heron.loader.model_source import load_tokenizer
+from heron.logging_config import startup_phase
 from heron.outputs import RequestOutput
 from heron.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 
 class LLMEngine:
@@ -20,8 +24,10 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        logger.info("starting heron engine: %s", config.model or "embedded SmolLM2-135M-Instruct")
         self.core = EngineCore(config)
-        self.tokenizer = load_tokenizer(self.core.tokenizer_dir)
+        with startup_phase(logger, "tokenizer"):
+            self.tokenizer = load_tokenizer(self.core.tokenizer_dir)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
 

@@ -8,6 +8,7 @@ from heron.config import (CacheConfig, EngineConfig, ParallelConfig, SchedulerCo
                           SpeculativeConfig)
 from heron.engine.core_outputs import RequestOutputKind
 from heron.engine.llm_engine import LLMEngine
+from heron.logging_config import configure_default
 from heron.outputs import RequestOutput
 from heron.sampling_params import SamplingParams
 
@@ -45,6 +46,7 @@ class LLM:
                  tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
                  speculative_config: dict | str | None = None,
                  quantization: str | None = None) -> None:
+        configure_default()  # heron's INFO lines (startup phases) on stderr, like vLLM's
         self.engine = LLMEngine(EngineConfig(
             model=model, dtype=dtype, max_model_len=max_model_len, quantization=quantization,
             attention_backend=attention_backend, seed=seed, load_format=load_format,

@@ -21,6 +21,7 @@ import msgspec
 import zmq
 
 from heron.config import EngineConfig
+from heron.logging_config import configure as configure_logging
 from heron.executor.wire import (CollectStats, CoreMsg, Hello, RankStats, Shutdown, StepDone,
                                  StepFailed, WorkerStartupFailed)
 
@@ -66,7 +67,7 @@ def _load(sock, encoder, rank: int, init_method: str):
 
         return Worker(config, rank, init_method)
     except Exception as exc:  # noqa: BLE001 - reported to the core, which fails to start
-        logger.exception("worker startup failed")
+        logger.debug("worker startup failed", exc_info=True)  # the core reports it in a line
         sock.send(encoder.encode(WorkerStartupFailed(_describe(exc))))
         return None
 
@@ -129,8 +130,8 @@ def serve(address: str, rank: int, init_method: str, parent_pid: int) -> None:
 
 def main() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the core's to handle
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s heron-worker %(message)s")
     address, rank, init_method, parent_pid = sys.argv[1:5]
+    configure_logging(process=f"rank{rank}")  # the core's level, through the environment
     serve(address, int(rank), init_method, int(parent_pid))
 
 

@@ -13,6 +13,7 @@ from heron.layers.cpu_gemm import CpuGemm, packing_available
 from heron.layers.embedding import ParallelLMHead
 from heron.layers.linear import ReplicatedLinear, default_weight_loader
 from heron.loader import checkpoint_checks as checks
+from heron.logging_config import progress
 from heron.models import ModelArchConfig, get_model_class
 from heron.quant.base import UnquantizedLinearMethod
 from heron.quant.config import QuantizationConfig
@@ -92,7 +93,7 @@ def load_weights(model: nn.Module, weights, dtype: torch.dtype) -> None:
                 for name in params if not _is_optional(model, name)}
     loaded: dict[str, set] = {}
     unexpected: list[str] = []
-    for hf_name, tensor in weights:
+    for hf_name, tensor in progress(weights, desc="loading weights", unit=" tensors"):
         if checks.is_harmless(hf_name) or (tied and hf_name == "lm_head.weight"):
             continue
         name, shard = _route(hf_name, packed)

@@ -22,6 +22,7 @@ import zmq
 from heron.config import EngineConfig
 from heron.engine.core_outputs import SequenceDelta
 from heron.engine.kv_events import KVEventPublisher
+from heron.logging_config import configure as configure_logging
 from heron.transport import messages as m
 from heron.transport.heartbeat import HeartbeatThread
 
@@ -158,14 +159,13 @@ def _connect(ctx: zmq.Context, kind: int, addr: str) -> zmq.Socket:
 def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str) -> None:
     """Process main: build the core, send ``ReadyMsg`` (or a fatal ``ErrorMsg``), serve."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
-    if not logging.getLogger().handlers:
-        logging.basicConfig(level=logging.INFO, format="%(asctime)s heron-core %(message)s")
+    configure_logging(process="core")  # the parent's level, through the environment
     parent_pid = os.getppid()
     ctx = zmq.Context()
     in_sock = _connect(ctx, zmq.PULL, input_addr)
     out_sock = _connect(ctx, zmq.PUSH, output_addr)
     encoder = msgspec.msgpack.Encoder()
-    kv_events, core = None, None
+    kv_events, core, ready = None, None, False
     heartbeat = HeartbeatThread(ctx, output_addr)
     heartbeat.start()
     try:
@@ -176,9 +176,12 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str) -> 
             kv_events = KVEventPublisher(config.kv_events_endpoint)
             logger.info("publishing KV events on %s", config.kv_events_endpoint)
         out_sock.send(encoder.encode(_ready(core)))
+        ready = True
         CoreServer(core, in_sock, out_sock, parent_pid, kv_events).run()
     except Exception as exc:
-        logger.exception("engine core failed")
+        # a startup failure is reported by the parent in one line (traceback: -v / DEBUG);
+        # a failure while serving is a bug or a dead rank: its traceback is logged
+        (logger.exception if ready else logger.debug)("engine core failed", exc_info=True)
         detail = "".join(traceback.format_exception_only(type(exc), exc)).strip()
         try:
             out_sock.send(encoder.encode(m.ErrorMsg(None, detail)), zmq.NOBLOCK)

@@ -6,13 +6,13 @@ pool), and runs step messages. It knows nothing of requests beyond what
 from __future__ import annotations
 
 import logging
-import os
 import time
 
 import torch
 import torch.distributed as dist
 
-from heron.config import EngineConfig
+from heron.config import EngineConfig, default_cpu_threads
+from heron.logging_config import startup_phase
 from heron.loader.model_source import resolve_model
 from heron.loader.weights import (build_model, materialize_weights, model_weight_bytes,
                                   optimize_layout)
@@ -49,40 +49,35 @@ class Worker:
         par = config.parallel
         self.rank = rank
         self.device = _device(rank % par.ranks_per_node)
-        _set_threads(config, self.device)
+        _set_threads(config, self.device, rank)
         if par.world_size > 1:
             init_parallel(rank, par.tensor_parallel_size, par.pipeline_parallel_size,
                           init_method, "nccl" if self.device.type == "cuda" else "gloo",
                           par.collective_timeout_s)
-        source = resolve_model(config.model, config.load_format)
-        arch = ModelArchConfig.from_hf(source.hf_config)
-        dtype = config.torch_dtype
-        quant = resolve_quantization(source.quantization, source.is_gguf, config.quantization,
-                                     self.device.type)
-        model = build_model(arch, dtype, self.device, quant)
-        materialize_weights(model, source, config.load_format, dtype, config.seed, quant)
-        optimize_layout(model, self.device)
-        self.bytes_read = source.read_counter.bytes_read
-        self.quantization = quant.describe() if quant else "none"
-        self.weight_bytes = model_weight_bytes(model)
-        logger.info("rank %d weights: %s, %.1f MB", rank, self.quantization,
-                    self.weight_bytes / 1e6)
+        if self.device.type == "cpu":
+            _build_cpu_kernels()
+        model, arch, dtype = self._load_model(config)
         spec = config.speculative
         draft = load_draft(spec, model, arch, dtype, self.device) if spec else None
         layers, kv_heads, head_dim = model.kv_cache_layout()
         wanted = config.max_model_len or arch.max_position_embeddings
         sched = config.scheduler
-        blocks = _agree_min(num_kv_blocks(KVLayout(len(layers), kv_heads, head_dim),
-                                          config.cache, dtype, self.device,
-                                          sched.max_num_seqs * wanted,
-                                          draft_kv_layout(draft)), self.device)
-        self.max_model_len = fit_max_model_len(wanted, config.max_model_len,
-                                               blocks * config.cache.block_size)
-        self.runner = ModelRunner(model, blocks, config.cache.block_size, dtype, self.device,
-                                  config.attention_backend, config.seed,
-                                  enforce_eager=config.enforce_eager or par.world_size > 1,
-                                  max_num_seqs=sched.max_num_seqs,
-                                  max_model_len=self.max_model_len)
+        with startup_phase(logger, "KV cache sizing") as phase:
+            blocks = _agree_min(num_kv_blocks(KVLayout(len(layers), kv_heads, head_dim),
+                                              config.cache, dtype, self.device,
+                                              sched.max_num_seqs * wanted,
+                                              draft_kv_layout(draft)), self.device)
+            self.max_model_len = fit_max_model_len(wanted, config.max_model_len,
+                                                   blocks * config.cache.block_size)
+            phase.detail = f"{blocks} blocks x {config.cache.block_size} tokens"
+        graphs = self.device.type == "cuda" and not config.enforce_eager
+        with startup_phase(logger, "KV cache allocation" + (" and decode graphs" if graphs
+                                                            else "")):
+            self.runner = ModelRunner(model, blocks, config.cache.block_size, dtype,
+                                      self.device, config.attention_backend, config.seed,
+                                      enforce_eager=config.enforce_eager or par.world_size > 1,
+                                      max_num_seqs=sched.max_num_seqs,
+                                      max_model_len=self.max_model_len)
         if spec:
             self.runner.proposer = make_proposer(spec, draft, self.runner)
         self.num_kv_blocks = blocks
@@ -91,6 +86,24 @@ class Worker:
                     get_tp_group().rank_in_group, get_pp_group().rank_in_group, layers[0],
                     layers[-1], blocks, config.cache.block_size, self.device,
                     time.monotonic() - started)
+
+    def _load_model(self, config: EngineConfig):
+        """Resolve the checkpoint, build this rank's shard and fill it: (model, arch, dtype)."""
+        with startup_phase(logger, "weights") as phase:
+            source = resolve_model(config.model, config.load_format)  # cached in-process
+            arch = ModelArchConfig.from_hf(source.hf_config)
+            dtype = config.torch_dtype
+            quant = resolve_quantization(source.quantization, source.is_gguf,
+                                         config.quantization, self.device.type)
+            model = build_model(arch, dtype, self.device, quant)
+            materialize_weights(model, source, config.load_format, dtype, config.seed, quant)
+            optimize_layout(model, self.device)
+            self.bytes_read = source.read_counter.bytes_read
+            self.quantization = quant.describe() if quant else "none"
+            self.weight_bytes = model_weight_bytes(model)
+            phase.detail = (f"rank {self.rank}: {self.quantization}, "
+                            f"{self.weight_bytes / 1e6:.1f} MB")
+        return model, arch, dtype
 
     @property
     def is_driver(self) -> bool:
@@ -114,13 +127,27 @@ def _device(local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
-def _set_threads(config: EngineConfig, device: torch.device) -> None:
-    """``--threads``, or on CPU the cores shared out between this node's ranks."""
+def _build_cpu_kernels() -> None:
+    """heron's C++ CPU kernels, compiled on first use on a machine (a minute or two), then
+    loaded from the cache: a phase of its own, so a first start does not look hung."""
+    from heron.kernels import cpu
+
+    with startup_phase(logger, "CPU kernels") as phase:
+        phase.detail = "built and loaded" if cpu.load() else "unavailable: torch reference path"
+
+
+def _set_threads(config: EngineConfig, device: torch.device, rank: int) -> None:
+    """``--threads``, or on CPU heron's default (``default_cpu_threads``); logged once."""
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
-    elif device.type == "cpu" and config.parallel.ranks_per_node > 1:
-        cores = len(os.sched_getaffinity(0))
-        torch.set_num_threads(max(1, cores // config.parallel.ranks_per_node))
+        why = f"{config.num_threads} (--threads)"
+    elif device.type == "cpu":
+        threads, why = default_cpu_threads(config.parallel.ranks_per_node)
+        torch.set_num_threads(threads)
+    else:
+        return
+    if rank == 0:
+        logger.info("torch threads: %s", why)
 
 
 def _agree_min(value: int, device: torch.device) -> int:

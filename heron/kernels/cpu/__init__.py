@@ -17,6 +17,8 @@ import hashlib
 import logging
 from pathlib import Path
 
+from heron.logging_config import waiting
+
 logger = logging.getLogger(__name__)
 
 _DIR = Path(__file__).parent
@@ -39,11 +41,13 @@ def load() -> bool:
     try:
         from torch.utils import cpp_extension
 
-        cpp_extension.load(name="heron_cpu", sources=[str(s) for s in _SOURCES],
-                           is_python_module=False,
-                           extra_cflags=["-O3", "-march=native", "-fopenmp",
-                                         f"-DHERON_CPU_HEADERS={_headers_digest()}"],
-                           extra_ldflags=["-fopenmp"], verbose=False)
+        with waiting(logger, "compiling heron's C++ CPU kernels (once per machine and "
+                             "source version, about a minute)"):
+            cpp_extension.load(name="heron_cpu", sources=[str(s) for s in _SOURCES],
+                               is_python_module=False,
+                               extra_cflags=["-O3", "-march=native", "-fopenmp",
+                                             f"-DHERON_CPU_HEADERS={_headers_digest()}"],
+                               extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as exc:  # noqa: BLE001 - no compiler, no ninja: fall back, say why once
         logger.warning("heron's CPU kernels are unavailable (%s); using the reference "
                        "torch path", str(exc).strip().splitlines()[0] if str(exc) else exc)
