@@ -33,12 +33,14 @@ class CacheConfig:
 
     The pool is sized from memory that is really available after the weights are loaded
     (``memory_fraction`` of it), capped by ``max_memory_gb`` and, if given, ``num_blocks``.
+    ``memory_fraction`` None means 0.5 and, on CPU, a 4 GB cap unless ``max_memory_gb`` says
+    otherwise; a fraction given (``--gpu-memory-utilization``) is the budget, uncapped.
     """
 
     block_size: int = 16
     num_blocks: int | None = None
     max_memory_gb: float | None = None
-    memory_fraction: float = 0.5
+    memory_fraction: float | None = None
     enable_prefix_caching: bool = True  # reuse the KV of cached prompt prefixes (radix tree)
 
     def __post_init__(self) -> None:
@@ -46,8 +48,9 @@ class CacheConfig:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_blocks}")
-        if not 0.0 < self.memory_fraction <= 1.0:
-            raise ValueError(f"memory_fraction must be in (0, 1], got {self.memory_fraction}")
+        if self.memory_fraction is not None and not 0.0 < self.memory_fraction <= 1.0:
+            raise ValueError(f"gpu_memory_utilization (the KV cache's share of the free "
+                             f"memory) must be in (0, 1], got {self.memory_fraction}")
 
 
 @dataclass(frozen=True)
@@ -235,6 +238,7 @@ class EngineConfig:
     # gptq | awq | compressed-tensors | gguf | fp8 | none; None: what the checkpoint holds
     # (a GGUF file stays quantized on CPU)
     quantization: str | None = None
+    tokenizer: str | None = None  # a tokenizer directory other than the model's (--tokenizer)
 
     def __post_init__(self) -> None:
         parse_dtype(self.dtype)

@@ -119,7 +119,7 @@ def chat_body(**kw):
     (lambda: completion_body(stop_token_ids=[2**70]), "stop_token_ids"),
     (lambda: completion_body(stop_token_ids=[-1]), "stop_token_ids"),
     (lambda: completion_body(prompt=[2**70]), "prompt"),
-    (lambda: completion_body(logprobs=6), "logprobs"),
+    (lambda: completion_body(logprobs=21), "logprobs"),  # engine cap (--max-logprobs lowers it)
     (lambda: completion_body(stop=[f"s{i}" for i in range(20)]), "stop"),
     (lambda: completion_body(stop=[""]), "stop"),
     (lambda: completion_body(max_tokens=0), "max_tokens"),

@@ -58,7 +58,8 @@ class EngineCore:
             get_model_class(architecture_of(source.hf_config))  # unsupported: fail early
             self.arch = ModelArchConfig.from_hf(source.hf_config)
         self.model_name = source.name
-        self.tokenizer_dir = source.tokenizer_dir  # where another process can load it from
+        # where another process can load it from: --tokenizer's directory, else the model's
+        self.tokenizer_dir = config.tokenizer or source.tokenizer_dir
         self.eos_token_ids = _eos_ids(source, self.arch)
         par, arch = config.parallel, self.arch
         check_model_fits(arch.num_heads, arch.num_kv_heads, arch.intermediate_size,

@@ -53,7 +53,9 @@ def _engine_args(p: argparse.ArgumentParser, multi_node: bool = False) -> None:
     g.add_argument("--model", default=None,
                    help="HF model directory or .gguf file (default: the embedded "
                         "SmolLM2-135M-Instruct GGUF)")
-    g.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
+    g.add_argument("--dtype", default="float32",
+                   help="float32 | bfloat16 | float16 | auto (the checkpoint's on CUDA, "
+                        "float32 on CPU; logged)")
     g.add_argument("-q", "--quantization", default=None, choices=QUANTIZATION_CHOICES,
                    help="how to store the weights (default: as the checkpoint declares; a "
                         "GGUF file stays quantized on CPU, 'none' dequantizes it; 'fp8' "
@@ -74,9 +76,16 @@ def _engine_args(p: argparse.ArgumentParser, multi_node: bool = False) -> None:
                    "on CPU heron's C++ paged kernel when it builds; else torch (reference)")
     g.add_argument("--enforce-eager", action="store_true",
                    help="never capture CUDA graphs for decode steps (default: capture them)")
+    caching = g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                             default=True)
+    caching.help = ("reuse the KV cache of prompt prefixes seen before (default: on; "
+                    "--no-enable-prefix-caching turns it off)")  # set after: no "(default: True)"
     g.add_argument("--no-prefix-cache", dest="enable_prefix_caching", action="store_false",
-                   help="turn prefix caching off (default: on, reusing the KV of cached "
-                        "prompt prefixes)")
+                   help=argparse.SUPPRESS)  # heron's older spelling of --no-enable-prefix-caching
+    g.add_argument("--gpu-memory-utilization", type=float, default=None, metavar="FRACTION",
+                   help="share of the memory left after the weights load that the KV cache "
+                        "may take (default: 0.5, on CPU at most 4 GB; given, on CPU the 4 GB cap "
+                        "goes: like vLLM's VLLM_CPU_KVCACHE_SPACE, a budget you choose)")
     g.add_argument("--scheduling-policy", choices=("fcfs", "lpm"), default="fcfs",
                    help="admission order: first come first served, or longest cached "
                         "prefix first (with a fairness cap)")
@@ -176,10 +185,14 @@ def _sampling_params(args) -> SamplingParams:
 def _make_llm(args):
     from heron import LLM
 
-    return LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len,
+    from heron.entrypoints.serve_options import engine_dtype
+
+    return LLM(args.model, dtype=engine_dtype(args.dtype, args.model),
+               max_model_len=args.max_model_len,
                max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
                block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
                kv_cache_memory_gb=args.kv_cache_memory,
+               gpu_memory_utilization=args.gpu_memory_utilization,
                enable_prefix_caching=args.enable_prefix_caching,
                scheduling_policy=args.scheduling_policy,
                attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,

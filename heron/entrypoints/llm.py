@@ -45,10 +45,12 @@ class LLM:
                  distributed_executor_backend: str | None = None,
                  tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
                  speculative_config: dict | str | None = None,
-                 quantization: str | None = None) -> None:
+                 quantization: str | None = None, gpu_memory_utilization: float | None = None,
+                 tokenizer: str | None = None) -> None:
         configure_default()  # heron's INFO lines (startup phases) on stderr, like vLLM's
         self.engine = LLMEngine(EngineConfig(
             model=model, dtype=dtype, max_model_len=max_model_len, quantization=quantization,
+            tokenizer=tokenizer,
             attention_backend=attention_backend, seed=seed, load_format=load_format,
             enforce_eager=enforce_eager, num_threads=num_threads,
             distributed_executor_backend=distributed_executor_backend,
@@ -57,6 +59,7 @@ class LLM:
             speculative=SpeculativeConfig.from_dict(speculative_config),
             cache=CacheConfig(block_size=block_size, num_blocks=num_kv_blocks,
                               max_memory_gb=kv_cache_memory_gb,
+                              memory_fraction=gpu_memory_utilization,
                               enable_prefix_caching=enable_prefix_caching),
             scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens,
                                       max_num_seqs=max_num_seqs, policy=scheduling_policy),

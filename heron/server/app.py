@@ -1,27 +1,33 @@
 """The FastAPI application: OpenAI routes, error shapes, the state every route shares.
 
-Auth, draining, engine liveness and body limits are checked before routing by
-``guards.GuardMiddleware``; routes parse their bodies strictly (``protocol.parse_request``)
-and run tokenizers off the event loop (``ServerState.run_blocking``).
+Auth, draining, engine liveness, content types and body limits are checked before routing
+by ``guards.GuardMiddleware`` (CORS, when ``--allowed-origins`` turns it on, wraps it); routes
+parse their bodies strictly (``protocol.parse_request``), check the model name
+(``ServerState.check_model``) and run tokenizers off the event loop
+(``ServerState.run_blocking``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError as PydanticRequestError
 from fastapi.responses import PlainTextResponse, Response
 from starlette.exceptions import HTTPException
+from starlette.middleware.cors import CORSMiddleware
 
 import heron
 from heron.server.admission import AdmissionController, Overloaded
-from heron.server.errors import RequestValidationError, pydantic_error_message
+from heron.server.errors import ModelNotFoundError, RequestValidationError, \
+    pydantic_error_message
 from heron.server.failures import FAILURES, classify
-from heron.server.guards import GuardMiddleware, error_response
+from heron.server.guards import GuardMiddleware, error_response, not_served_message
+from heron.server.http_rules import allowed_methods
 from heron.server.metrics import ServerMetrics, spec_decode_summary
 from heron.server.openapi import SSE_OR_JSON, error_responses, install_openapi, json_body
 from heron.server.protocol import ChatCompletionRequest, CompletionRequest, parse_request
@@ -29,6 +35,7 @@ from heron.server.responses import ChatCompletionResponse, CompletionResponse, M
     ModelList
 from heron.server.serving_chat import create_chat_completion
 from heron.server.serving_completions import create_completion
+from heron.server.settings import HttpOptions, OpenAIOptions
 from heron.server.tokenizer_routes import (DetokenizeRequest, TokenizeRequest,
                                            install_tokenizer_routes)
 
@@ -46,6 +53,8 @@ class ServerSettings:
     max_body_bytes: int = 4 * 1024 * 1024
     cost_per_gpu_hour: float | None = None
     shutdown_timeout: float = 30.0  # s in-flight requests get after SIGTERM; then cut (503)
+    openai: OpenAIOptions = field(default_factory=OpenAIOptions)  # how responses are made
+    http: HttpOptions = field(default_factory=HttpOptions)  # CORS, TLS, docs, body timeout
 
 
 class ServerState:
@@ -54,7 +63,8 @@ class ServerState:
     def __init__(self, client, settings: ServerSettings) -> None:
         self.client = client
         self.settings = settings
-        self.model_name = settings.served_model_name
+        self.model_name = settings.served_model_name  # what responses report
+        self.model_names = (settings.served_model_name, *settings.openai.model_aliases)
         self.admission = AdmissionController(settings.max_queued_requests,
                                              settings.max_queued_tokens,
                                              max_queued_sequences=settings.max_queued_sequences)
@@ -73,6 +83,12 @@ class ServerState:
             self.metrics.record_rejection("429")
             raise
 
+    def check_model(self, model: str | None) -> None:
+        """ModelNotFoundError (404) unless ``model`` is one of the served names; a request
+        without ``model`` is served (vLLM does the same)."""
+        if model is not None and model not in self.model_names:
+            raise ModelNotFoundError(model)
+
     async def run_blocking(self, fn, *args):
         """Run ``fn(*args)`` (tokenizing, templating) on the tokenizer threads."""
         loop = asyncio.get_running_loop()
@@ -82,8 +98,8 @@ class ServerState:
 def _install_error_handlers(app: FastAPI, state: ServerState) -> None:
     @app.exception_handler(RequestValidationError)
     async def _ours(_, exc: RequestValidationError):
-        state.metrics.record_rejection("400")
-        return error_response(400, exc.message, exc.type, exc.param)
+        state.metrics.record_rejection(str(exc.status_code))
+        return error_response(exc.status_code, exc.message, exc.type, exc.param)
 
     @app.exception_handler(PydanticRequestError)
     async def _pydantic(_, exc: PydanticRequestError):
@@ -101,9 +117,17 @@ def _install_error_handlers(app: FastAPI, state: ServerState) -> None:
         app.add_exception_handler(failure, _failure)
 
     @app.exception_handler(HTTPException)
-    async def _http(_, exc: HTTPException):  # 404, 405, ...
-        return error_response(exc.status_code, str(exc.detail), "invalid_request_error",
-                              headers=getattr(exc, "headers", None))
+    async def _http(request: Request, exc: HTTPException):  # 404, 405, ...
+        headers, message = dict(getattr(exc, "headers", None) or {}), str(exc.detail)
+        if exc.status_code == 404:
+            message = not_served_message(request.method, request.url.path)
+        if exc.status_code == 405:
+            methods = allowed_methods(app.routes, request.scope)
+            headers["Allow"] = ", ".join(methods)
+            message = f"{request.method} is not allowed on {request.url.path}: use " \
+                      f"{' or '.join(m for m in methods if m not in ('HEAD', 'OPTIONS'))}"
+        return error_response(exc.status_code, message, "invalid_request_error",
+                              headers=headers or None)
 
     @app.exception_handler(Overloaded)
     async def _overloaded(_, exc: Overloaded):
@@ -112,11 +136,25 @@ def _install_error_handlers(app: FastAPI, state: ServerState) -> None:
 
 
 def build_app(client, settings: ServerSettings) -> FastAPI:
-    app = FastAPI(title="heron", version=heron.__version__)
+    docs = settings.http.docs  # --disable-fastapi-docs: no /docs, /redoc, /openapi.json
+    app = FastAPI(title="heron", version=heron.__version__,
+                  openapi_url="/openapi.json" if docs else None,
+                  docs_url="/docs" if docs else None, redoc_url="/redoc" if docs else None)
+    # --root-path (as vLLM sets it): routes match with or without the proxy's prefix
+    app.root_path = settings.http.root_path
     state = ServerState(client, settings)
     app.state.heron = state
     _install_error_handlers(app, state)
     app.add_middleware(GuardMiddleware, state=state)
+    cors = settings.http.cors
+    if cors is not None:  # outermost: answers preflights, adds its headers to every answer
+        app.add_middleware(CORSMiddleware, allow_origins=list(cors.allowed_origins),
+                           allow_methods=list(cors.allowed_methods),
+                           allow_headers=list(cors.allowed_headers),
+                           allow_credentials=cors.allow_credentials)
+    # the one log line per finished request (--disable-log-requests turns it off)
+    logging.getLogger("heron.server.requests").setLevel(
+        logging.NOTSET if settings.openai.log_requests else logging.WARNING)
     _install_ops_routes(app, state)
     _install_openai_routes(app, state)
     install_tokenizer_routes(app, state)
@@ -165,21 +203,22 @@ def _install_ops_routes(app: FastAPI, state: ServerState) -> None:
                 "admitted_sequences": admission.queued_sequences,
                 "admitted_prompt_tokens": admission.queued_tokens}
 
-    @app.post("/reset_prefix_cache", responses=error_responses(401, 503))
+    @app.post("/reset_prefix_cache", responses=error_responses(401, 415, 503))
     async def reset_prefix_cache():
         """Admin: free every cached KV block no request uses (before any later request)."""
         client.reset_prefix_cache()
         return {"status": "ok"}
 
 
-_GENERATION_ERRORS = error_responses(400, 401, 413, 415, 429, 500, 503)
+_GENERATION_ERRORS = error_responses(400, 401, 404, 408, 413, 415, 429, 500, 503)
 
 
 def _install_openai_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/v1/models", response_model=ModelList, responses=error_responses(401, 503))
     async def models():
-        return ModelList(data=[ModelCard(id=state.model_name,
-                                         max_model_len=state.client.max_model_len)])
+        return ModelList(data=[ModelCard(id=name, root=state.client.model_name,
+                                         max_model_len=state.client.max_model_len)
+                               for name in state.model_names])
 
     _generation_route(app, state, "/v1/completions", CompletionRequest, CompletionResponse,
                       create_completion)
@@ -194,6 +233,7 @@ def _generation_route(app: FastAPI, state: ServerState, path: str, request_model
 
     async def route(request: Request):
         req = parse_request(request_model, await request.body())
+        state.check_model(req.model)
         return await create(req, request, state)
 
     app.post(path, response_model=response_model, name=create.__name__,

@@ -28,6 +28,16 @@ class RequestValidationError(Exception):
         return error_body(self.message, self.type, self.param, self.status_code)
 
 
+class ModelNotFoundError(RequestValidationError):
+    """A request for a model this server does not serve: vLLM's 404 (clients that route
+    between servers rely on it)."""
+
+    status_code = 404
+
+    def __init__(self, model: str) -> None:
+        super().__init__(f"The model `{model}` does not exist.", "model", "NotFoundError")
+
+
 def error_body(message: str, type: str = INVALID_REQUEST,  # noqa: A002 - OpenAI's field name
                param: str | None = None, code: int | str | None = None) -> dict[str, Any]:
     """``{"error": {"message", "type", "param", "code"}}`` as OpenAI returns it."""

@@ -1,4 +1,5 @@
-"""The outermost ASGI middleware: auth, draining, engine liveness, body limits, last-resort 500.
+"""The outermost ASGI middleware: request framing, auth, OPTIONS and HEAD, draining, engine
+liveness, the JSON content type of POSTs, body limits and timeout, last-resort 500.
 
 A plain ASGI middleware rather than ``@app.middleware("http")``: Starlette's BaseHTTPMiddleware
 wraps ``receive`` so the route never sees ``http.disconnect`` (a non-streaming request whose
@@ -9,14 +10,16 @@ arrive (a chunked body has no Content-Length to trust), then replayed to the app
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import math
 import logging
 
-from starlette.responses import JSONResponse
+from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from heron.server.errors import error_body
+from heron.server.http_rules import allowed_methods, csrf_refusal, framing_error
 
 logger = logging.getLogger("heron.server")
 
@@ -62,6 +65,8 @@ class GuardMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        if scope["method"] == "HEAD":  # a GET without its body (RFC 9110 section 9.3.2)
+            scope, send = {**scope, "method": "GET"}, _without_body(send)
         started = False
 
         async def tracking_send(message: Message) -> None:
@@ -86,12 +91,18 @@ class GuardMiddleware:
                 await error_response(500, "internal server error", "server_error",
                                      headers={"Connection": "close"})(scope, receive, send)
 
-    def _refusal(self, scope: Scope) -> JSONResponse | None:
-        path, headers = scope["path"], _headers(scope)
+    def _refusal(self, scope: Scope) -> Response | None:
+        """What to answer instead of the route, or None to route the request."""
+        path, headers = _route_path(scope), _headers(scope)
+        if (framing := framing_error(scope["headers"])) is not None:
+            return error_response(400, framing, "invalid_request_error",
+                                  headers={"Connection": "close"})
         key = self.state.settings.api_key
         if key and path not in OPEN_PATHS and not api_key_matches(headers.get("authorization"),
                                                                   key):
             return error_response(401, "invalid or missing API key", "authentication_error")
+        if scope["method"] == "OPTIONS":  # a CORS preflight never gets here: CORS answers it
+            return _options(scope)
         if self.state.draining and (path in PROBE_PATHS or path.startswith(ENGINE_PATH_PREFIXES)):
             return draining_response(self.state.settings)
         if path.startswith(ENGINE_PATH_PREFIXES):
@@ -101,6 +112,11 @@ class GuardMiddleware:
         if encoding != "identity":
             return error_response(415, f"unsupported Content-Encoding {encoding!r}: send the "
                                   f"body uncompressed", "invalid_request_error")
+        if scope["method"] in BODY_METHODS:
+            has_body = "transfer-encoding" in headers or headers.get(
+                "content-length", "0").strip() not in ("", "0")
+            if (reason := csrf_refusal(headers, has_body)) is not None:
+                return error_response(415, reason, "invalid_request_error")
         return None
 
     async def _read_body(self, scope: Scope, receive: Receive
@@ -113,8 +129,17 @@ class GuardMiddleware:
         if length is not None and int(length) > limit:
             return None, self._too_large(limit)
         chunks, size = [], 0
+        timeout = self.state.settings.http.body_timeout_s
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
         while True:
-            message = await receive()
+            try:  # a body trickled in byte by byte must not hold a connection for ever
+                message = await asyncio.wait_for(receive(), max(0.0, deadline - loop.time()))
+            except asyncio.TimeoutError:
+                self.state.metrics.record_rejection("408")
+                return None, error_response(
+                    408, f"the request body did not arrive within {timeout:g} s",
+                    "invalid_request_error", headers={"Connection": "close"})
             if message["type"] == "http.disconnect":
                 return None, None
             chunk = message.get("body", b"")
@@ -129,6 +154,44 @@ class GuardMiddleware:
         self.state.metrics.record_rejection("413")
         return error_response(413, f"request body over {limit} bytes", "invalid_request_error",
                               headers={"Connection": "close"})
+
+
+def _options(scope: Scope) -> Response:
+    """OPTIONS: 204 with the path's ``Allow``; 404 for a path heron does not serve."""
+    methods = allowed_methods(scope["app"].routes, scope)
+    if not methods:
+        return error_response(404, not_served_message("OPTIONS", scope["path"]),
+                              "invalid_request_error")
+    return Response(status_code=204, headers={"Allow": ", ".join(methods)})
+
+
+SERVED = ("POST /v1/chat/completions, POST /v1/completions, GET /v1/models, POST /tokenize, "
+          "POST /detokenize, GET /health, GET /ready, GET /metrics, GET /stats, GET /version, "
+          "POST /reset_prefix_cache")
+
+
+def not_served_message(method: str, path: str) -> str:
+    """The 404 message of a path heron does not serve (/v1/embeddings, /v1/responses, ...)."""
+    return f"{method} {path} is not served here; heron serves {SERVED}"
+
+
+def _route_path(scope: Scope) -> str:
+    """The path the routes see: behind ``--root-path`` a proxy may or may not strip it."""
+    root, path = scope.get("root_path", ""), scope["path"]
+    if root and path.startswith(root):
+        return path[len(root):] or "/"
+    return path
+
+
+def _without_body(send: Send) -> Send:
+    """A ``send`` that drops the body (HEAD), keeping the headers (Content-Length included)."""
+
+    async def bodyless(message: Message) -> None:
+        if message["type"] == "http.response.body":
+            message = {**message, "body": b""}
+        await send(message)
+
+    return bodyless
 
 
 def _headers(scope: Scope) -> dict[str, str]:

@@ -20,8 +20,10 @@ from heron.server.responses import ErrorResponse
 _ERRORS = {
     400: "invalid request (OpenAI error shape; `param` names the field)",
     401: "missing or wrong API key",
+    404: "the model named in the request is not served here",
+    408: "the request body did not arrive in time",
     413: "request body too large",
-    415: "compressed request body",
+    415: "not application/json, or a compressed request body",
     429: "too many requests queued (see Retry-After)",
     500: "the engine failed this request",
     503: "shutting down, or the engine is not running",

@@ -20,8 +20,14 @@ from heron.sampling_params import (MAX_INT32, MAX_LOGPROBS, MAX_N, MAX_SEED, MIN
 from heron.server.errors import RequestValidationError, pydantic_error_message
 
 MAX_STOP_STRINGS = 16
-MAX_COMPLETION_LOGPROBS = 5  # OpenAI's cap for /v1/completions
-MAX_TOP_LOGPROBS = min(20, MAX_LOGPROBS)  # OpenAI's cap for chat top_logprobs
+# What an unset sampling field means (OpenAI's defaults) unless the model's generation config
+# says otherwise (``--generation-config``: max_tokens is handled by to_sampling_params).
+OPENAI_SAMPLING_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0,
+                            "repetition_penalty": 1.0}
+# What a request may ask for at most (the engine's limit); ``--max-logprobs`` lowers it per server
+# (vLLM's rule: OpenAI's own caps are 5 for completions and 20 for chat).
+MAX_COMPLETION_LOGPROBS = MAX_LOGPROBS
+MAX_TOP_LOGPROBS = MAX_LOGPROBS
 # Known OpenAI / vLLM fields heron does not implement: refused when set rather than silently
 # ignored (values that ask for the default behaviour are accepted, see _asks_for_default).
 UNSUPPORTED_FIELDS = ("logit_bias", "suffix", "tools", "functions", "tool_choice",
@@ -114,17 +120,24 @@ class _SamplingRequest(StrictModel):
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
     def _params(self, max_tokens: Optional[int], logprobs: Optional[int],
-                prompt_logprobs: Optional[int] = None) -> SamplingParams:
-        """Build SamplingParams (OpenAI defaults for unset fields); ValueError -> 400."""
+                prompt_logprobs: Optional[int] = None, defaults: Optional[dict] = None,
+                max_logprobs: int = MAX_LOGPROBS) -> SamplingParams:
+        """Build SamplingParams: unset fields take ``defaults`` (the model's generation config,
+        see ``generation_defaults``), then OpenAI's; ValueError -> 400."""
         validate_limits(self)
-        opt = lambda v, d: d if v is None else v  # noqa: E731
+        _check(logprobs is None or logprobs <= max_logprobs,
+               f"requested {logprobs} logprobs, more than this server's limit of "
+               f"{max_logprobs} (--max-logprobs)", self._param_name("logprobs") or "logprobs")
+        given = lambda name, default: (  # noqa: E731 - the request's value, else the default
+            getattr(self, name) if getattr(self, name) is not None else default)
+        values = {name: given(name, value)
+                  for name, value in {**OPENAI_SAMPLING_DEFAULTS, **(defaults or {})}.items()
+                  if name in OPENAI_SAMPLING_DEFAULTS}
         try:
             return SamplingParams(
-                n=opt(self.n, 1), temperature=opt(self.temperature, 1.0),
-                top_p=opt(self.top_p, 1.0), top_k=opt(self.top_k, 0), min_p=opt(self.min_p, 0.0),
-                repetition_penalty=opt(self.repetition_penalty, 1.0),
-                presence_penalty=opt(self.presence_penalty, 0.0),
-                frequency_penalty=opt(self.frequency_penalty, 0.0), seed=self.seed,
+                n=given("n", 1), **values,
+                presence_penalty=given("presence_penalty", 0.0),
+                frequency_penalty=given("frequency_penalty", 0.0), seed=self.seed,
                 max_tokens=max_tokens, min_tokens=self.min_tokens, stop=self.stop_list,
                 stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
                 include_stop_str_in_output=self.include_stop_str_in_output,
@@ -158,12 +171,17 @@ class CompletionRequest(_SamplingRequest):
         """The batch of prompts: each a string or a list of token ids."""
         return _prompt_items(self.prompt)
 
-    def to_sampling_params(self, default_max_tokens: Optional[int]) -> SamplingParams:
-        """``max_tokens: null`` means default_max_tokens; ``echo`` with ``logprobs`` also asks
+    def to_sampling_params(self, default_max_tokens: Optional[int],
+                           defaults: Optional[dict] = None,
+                           max_logprobs: int = MAX_LOGPROBS) -> SamplingParams:
+        """``max_tokens: null`` means default_max_tokens, unset the generation config's
+        ``max_tokens`` (if ``defaults`` has one) or 16; ``echo`` with ``logprobs`` also asks
         for prompt logprobs."""
         max_tokens = default_max_tokens if self.max_tokens is None else self.max_tokens
+        if "max_tokens" not in self.model_fields_set and defaults and "max_tokens" in defaults:
+            max_tokens = defaults["max_tokens"]
         prompt_logprobs = self.logprobs if self.echo else None
-        return self._params(max_tokens, self.logprobs, prompt_logprobs)
+        return self._params(max_tokens, self.logprobs, prompt_logprobs, defaults, max_logprobs)
 
 
 class TextContentPart(StrictModel):
@@ -197,14 +215,19 @@ class ChatCompletionRequest(_SamplingRequest):
         """Messages as ``[{"role", "content"}]`` for a chat template."""
         return [{"role": m.role, "content": m.text()} for m in self.messages]
 
-    def to_sampling_params(self, default_max_tokens: Optional[int]) -> SamplingParams:
-        """``max_completion_tokens`` overrides ``max_tokens``; ``logprobs: true`` with
-        ``top_logprobs: k`` asks for the sampled token's logprob plus the top k."""
+    def to_sampling_params(self, default_max_tokens: Optional[int],
+                           defaults: Optional[dict] = None,
+                           max_logprobs: int = MAX_LOGPROBS) -> SamplingParams:
+        """``max_completion_tokens`` overrides ``max_tokens``; neither set: the generation
+        config's ``max_tokens`` (in ``defaults``) or default_max_tokens. ``logprobs: true``
+        with ``top_logprobs: k`` asks for the sampled token's logprob plus the top k."""
         max_tokens = self.max_completion_tokens
         if max_tokens is None:
-            max_tokens = default_max_tokens if self.max_tokens is None else self.max_tokens
+            max_tokens = self.max_tokens
+        if max_tokens is None:
+            max_tokens = (defaults or {}).get("max_tokens", default_max_tokens)
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self._params(max_tokens, logprobs)
+        return self._params(max_tokens, logprobs, None, defaults, max_logprobs)
 
     def _param_name(self, field: str) -> Optional[str]:
         if field == "logprobs":

@@ -17,21 +17,34 @@ from heron.server.request_runner import (check_request, run_all_to_completion,
 from heron.server.sse import StreamCursor, sse_done, sse_event, with_error_event
 
 
-def apply_template(tokenizer, req: ChatCompletionRequest) -> list[int]:
-    if not getattr(tokenizer, "chat_template", None):
-        raise RequestValidationError("this model has no chat template", "messages")
+def apply_template(tokenizer, req: ChatCompletionRequest,
+                   template: str | None = None) -> list[int]:
+    """The prompt's token ids: the messages through ``template`` (``--chat-template``) or
+    else the tokenizer's own."""
+    if not template and not getattr(tokenizer, "chat_template", None):
+        raise RequestValidationError("this model has no chat template: start the server with "
+                                     "--chat-template", "messages")
     try:
         ids = tokenizer.apply_chat_template(req.conversation(), tokenize=True,
-                                            add_generation_prompt=req.add_generation_prompt)
+                                            add_generation_prompt=req.add_generation_prompt,
+                                            chat_template=template)
     except Exception as e:  # template errors (e.g. role order) are the client's to fix
         raise RequestValidationError(f"chat template failed: {e}", "messages") from None
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 
+def response_role(req: ChatCompletionRequest, options) -> str:
+    """vLLM's rule: ``--response-role`` when the prompt asks the model for a new turn
+    (``add_generation_prompt``), else the role of the message being continued."""
+    if req.add_generation_prompt:
+        return options.response_role
+    return req.messages[-1].role
+
+
 async def create_chat_completion(req: ChatCompletionRequest, http_request: Request, state):
-    tokenizer = state.client.tokenizer
-    params = req.to_sampling_params(default_max_tokens=None)
-    prompt = await state.run_blocking(apply_template, tokenizer, req)
+    tokenizer, options = state.client.tokenizer, state.settings.openai
+    params = req.to_sampling_params(None, options.sampling_defaults, options.max_logprobs)
+    prompt = await state.run_blocking(apply_template, tokenizer, req, options.chat_template)
     check_request(state, [prompt], params)
     admission = state.admit(len(prompt) * params.n, params.n)
     request_id = random_id("chatcmpl")
@@ -46,11 +59,12 @@ async def create_chat_completion(req: ChatCompletionRequest, http_request: Reque
     if finals is None:
         return JSONResponse({}, status_code=499)
     final = finals[0]
-    k = req.top_logprobs or 0
+    k, as_ids = req.top_logprobs or 0, options.return_tokens_as_token_ids
     choices = [ChatCompletionChoice(
-        index=c.index, message=ChatResponseMessage(content=c.text),
+        index=c.index, message=ChatResponseMessage(role=response_role(req, options),
+                                                   content=c.text),
         logprobs=ChatChoiceLogprobs(
-            content=chat_logprobs(tokenizer, c.token_ids, c.logprobs or [], k))
+            content=chat_logprobs(tokenizer, c.token_ids, c.logprobs or [], k, as_ids))
         if req.logprobs else None,
         finish_reason=c.finish_reason, stop_reason=c.stop_reason) for c in final.outputs]
     usage = Usage.of(len(prompt), sum(len(c.token_ids) for c in final.outputs),
@@ -60,8 +74,8 @@ async def create_chat_completion(req: ChatCompletionRequest, http_request: Reque
 
 
 async def _stream(req, state, request_id, prompt, outputs, admission):
-    tokenizer = state.client.tokenizer
-    k = req.top_logprobs or 0
+    tokenizer, options = state.client.tokenizer, state.settings.openai
+    k, role = req.top_logprobs or 0, response_role(req, state.settings.openai)
     cursor = StreamCursor()
     cached_tokens = 0
 
@@ -75,14 +89,15 @@ async def _stream(req, state, request_id, prompt, outputs, admission):
             for c in out.outputs:
                 if cursor.is_new(c.index):
                     yield chunk(ChatCompletionStreamChoice(
-                        index=c.index, delta=DeltaMessage(role="assistant", content="")))
+                        index=c.index, delta=DeltaMessage(role=role, content="")))
                 if (new := cursor.take(c.index, c)) is None:
                     continue
                 text, token_ids, positions, _ = new
                 logprobs = None
                 if req.logprobs:
                     logprobs = ChatChoiceLogprobs(content=chat_logprobs(
-                        tokenizer, token_ids, positions or [], k))
+                        tokenizer, token_ids, positions or [], k,
+                        options.return_tokens_as_token_ids))
                 yield chunk(ChatCompletionStreamChoice(
                     index=c.index, delta=DeltaMessage(content=text),
                     logprobs=logprobs, finish_reason=c.finish_reason))

@@ -24,8 +24,8 @@ def _token_ids(tokenizer, prompts) -> list[list[int]]:
 
 
 async def create_completion(req: CompletionRequest, http_request: Request, state):
-    tokenizer = state.client.tokenizer
-    params = req.to_sampling_params(default_max_tokens=None)
+    tokenizer, options = state.client.tokenizer, state.settings.openai
+    params = req.to_sampling_params(None, options.sampling_defaults, options.max_logprobs)
     prompts = await state.run_blocking(_token_ids, tokenizer, req.prompts())
     check_request(state, prompts, params)
     admission = state.admit(sum(len(p) for p in prompts) * params.n, len(prompts) * params.n)
@@ -41,14 +41,17 @@ async def create_completion(req: CompletionRequest, http_request: Request, state
         admission.release()
     if finals is None:
         return JSONResponse({}, status_code=499)  # client went away; nobody reads this
-    choices = [c for i, f in enumerate(finals) for c in _choices(req, tokenizer, i, params.n, f)]
+    as_ids = options.return_tokens_as_token_ids
+    choices = [c for i, f in enumerate(finals)
+               for c in _choices(req, tokenizer, i, params.n, f, as_ids)]
     usage = Usage.of(sum(len(p) for p in prompts),
                      sum(len(c.token_ids) for f in finals for c in f.outputs),
                      sum(f.num_cached_tokens for f in finals))
     return CompletionResponse(id=base_id, model=state.model_name, choices=choices, usage=usage)
 
 
-def _choices(req: CompletionRequest, tokenizer, prompt_index: int, n: int, out: RequestOutput):
+def _choices(req: CompletionRequest, tokenizer, prompt_index: int, n: int, out: RequestOutput,
+             as_token_ids: bool = False):
     prompt_text = tokenizer.decode(out.prompt_token_ids) if req.echo else ""
     for comp in out.outputs:
         logprobs = None
@@ -57,7 +60,8 @@ def _choices(req: CompletionRequest, tokenizer, prompt_index: int, n: int, out: 
             if req.echo:
                 ids = out.prompt_token_ids + ids
                 positions = list(out.prompt_logprobs or []) + positions
-            logprobs = completion_logprobs(tokenizer, ids, positions, req.logprobs)
+            logprobs = completion_logprobs(tokenizer, ids, positions, req.logprobs,
+                                           as_token_ids=as_token_ids)
         yield CompletionChoice(index=prompt_index * n + comp.index, text=prompt_text + comp.text,
                                logprobs=logprobs, finish_reason=comp.finish_reason,
                                stop_reason=comp.stop_reason)
@@ -126,8 +130,9 @@ def _chunks(req, state, base_id, i, n, out, cursor: StreamCursor):
         text, token_ids, positions, offset = new
         logprobs = None
         if req.logprobs is not None:
+            as_ids = state.settings.openai.return_tokens_as_token_ids
             logprobs = completion_logprobs(tokenizer, token_ids, positions or [], req.logprobs,
-                                           offset)
+                                           offset, as_ids)
         yield sse_event(_chunk(base_id, state, i * n + comp.index, text,
                                comp.finish_reason, logprobs, comp.stop_reason))
 

@@ -45,29 +45,32 @@ class DetokenizeResponse(StrictModel):
     prompt: str
 
 
-def _tokenize(tokenizer, req: TokenizeRequest) -> list[int]:
+def _tokenize(tokenizer, req: TokenizeRequest, template: str | None = None) -> list[int]:
     if req.messages is not None:
         chat = ChatCompletionRequest(messages=req.messages,
                                      add_generation_prompt=req.add_generation_prompt)
-        return apply_template(tokenizer, chat)
+        return apply_template(tokenizer, chat, template)
     return tokenizer(req.prompt, add_special_tokens=req.add_special_tokens).input_ids
 
 
 def install_tokenizer_routes(app: FastAPI, state) -> None:
     @app.post("/tokenize", response_model=TokenizeResponse,
-              responses=error_responses(400, 401, 413, 415, 503),
+              responses=error_responses(400, 401, 404, 408, 413, 415, 503),
               openapi_extra=json_body(TokenizeRequest))
     async def tokenize(request: Request):
         req = parse_request(TokenizeRequest, await request.body())
-        ids = await state.run_blocking(_tokenize, state.client.tokenizer, req)
+        state.check_model(req.model)
+        ids = await state.run_blocking(_tokenize, state.client.tokenizer, req,
+                                       state.settings.openai.chat_template)
         return TokenizeResponse(tokens=ids, count=len(ids),
                                 max_model_len=state.client.max_model_len)
 
     @app.post("/detokenize", response_model=DetokenizeResponse,
-              responses=error_responses(400, 401, 413, 415, 503),
+              responses=error_responses(400, 401, 404, 408, 413, 415, 503),
               openapi_extra=json_body(DetokenizeRequest))
     async def detokenize(request: Request):
         req = parse_request(DetokenizeRequest, await request.body())
+        state.check_model(req.model)
         vocab = state.client.vocab_size
         if any(t >= vocab for t in req.tokens):
             raise RequestValidationError(f"token ids must be in [0, {vocab})", "tokens")

@@ -9,8 +9,10 @@ import torch
 from heron.config import CacheConfig
 from heron.models import ModelArchConfig
 
-# On CPU the pool is zero-filled up front, so keep the default modest; --kv-cache-memory lifts it.
+# On CPU the pool is zero-filled up front, so keep the default modest; --kv-cache-memory or
+# --gpu-memory-utilization lifts it.
 CPU_DEFAULT_MAX_GB = 4.0
+DEFAULT_MEMORY_FRACTION = 0.5
 
 
 @dataclass(frozen=True)
@@ -46,16 +48,18 @@ def available_bytes(device: torch.device) -> int:
 def num_kv_blocks(layout: KVLayout, cache: CacheConfig, dtype: torch.dtype,
                   device: torch.device, max_useful_tokens: int,
                   draft: KVLayout | None = None) -> int:
-    """Blocks that fit in ``memory_fraction`` of available memory, under the caps.
+    """Blocks that fit in ``memory_fraction`` of available memory, under the caps (a fraction
+    given explicitly lifts the CPU default cap, as vLLM's VLLM_CPU_KVCACHE_SPACE would).
 
     ``max_useful_tokens`` (max_num_seqs x max_model_len) bounds the pool: more is never used.
     A draft model's own cache (``draft``) has a block for every pool block.
     """
     if cache.num_blocks is not None:
         return cache.num_blocks
-    budget = available_bytes(device) * cache.memory_fraction
+    fraction = cache.memory_fraction
+    budget = available_bytes(device) * (fraction or DEFAULT_MEMORY_FRACTION)
     cap_gb = cache.max_memory_gb
-    if cap_gb is None and device.type == "cpu":
+    if cap_gb is None and fraction is None and device.type == "cpu":
         cap_gb = CPU_DEFAULT_MAX_GB
     if cap_gb is not None:
         budget = min(budget, cap_gb * 1024**3)
