@@ -5,39 +5,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import signal
 
 import uvicorn
 
 from heron.config import EngineConfig
+from heron.logging_config import configure_default
 from heron.transport.async_client import AsyncEngineClient
 from heron.server.app import ServerSettings, build_app
 from heron.server.metrics import spec_decode_summary
+from heron.server.shutdown import UVICORN_GRACE_S, DrainingServer, InFlightRequests
 
 logger = logging.getLogger("heron.server")
-
-
-class _Server(uvicorn.Server):
-    """On SIGTERM/SIGINT: answer new requests 503, let in-flight ones finish, exit 0
-    (stock uvicorn re-raises the signal after its graceful shutdown: exit status -15)."""
-
-    def __init__(self, config: uvicorn.Config, state) -> None:
-        super().__init__(config)
-        self.heron_state = state
-
-    def handle_exit(self, sig, frame) -> None:
-        self.heron_state.draining = True
-        super().handle_exit(sig, frame)
-
-    @contextlib.contextmanager
-    def capture_signals(self):
-        previous = {sig: signal.signal(sig, self.handle_exit)
-                    for sig in (signal.SIGINT, signal.SIGTERM)}
-        try:
-            yield
-        finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
 
 
 STATS_INTERVAL_S = 10.0
@@ -78,34 +56,46 @@ async def exit_on_engine_failure(client, server: uvicorn.Server, state) -> None:
     server.should_exit = True
 
 
-async def serve(config: EngineConfig, settings: ServerSettings, host: str, port: int,
-                grace_period_s: float = 30.0) -> int:
-    """Run until SIGINT/SIGTERM (exit status 0) or an engine failure (1); in-flight requests
-    get ``grace_period_s`` to finish."""
+async def serve(config: EngineConfig, settings: ServerSettings, host: str, port: int) -> int:
+    """Start the engine core, then serve it until SIGINT/SIGTERM (exit status 0) or an engine
+    failure (1)."""
     client = await AsyncEngineClient.start(config)
     try:
-        app = build_app(client, settings)
-        stats = client.stats()
-        logger.info("heron serving %s (%s) on http://%s:%d  KV blocks: %s, max_model_len %d",
-                    settings.served_model_name, config.dtype, host, port,
-                    stats.get("num_blocks"), client.max_model_len)
-        server = _Server(uvicorn.Config(
-            app, host=host, port=port, log_level="warning",
-            timeout_graceful_shutdown=int(grace_period_s)), app.state.heron)
-        watchers = [asyncio.ensure_future(log_engine_stats(client)),
-                    asyncio.ensure_future(exit_on_engine_failure(client, server,
-                                                                 app.state.heron))]
-        try:
-            await server.serve()
-        finally:
-            for task in watchers:
-                task.cancel()
-        return 1 if client.failure is not None else 0
+        return await serve_client(client, settings, host, port, dtype=config.dtype)
     finally:
         with contextlib.suppress(Exception):
             await client.shutdown()
 
 
+async def serve_client(client, settings: ServerSettings, host: str, port: int,
+                       dtype: str = "") -> int:
+    """Serve a started engine client until SIGINT/SIGTERM (0) or an engine failure (1); the
+    stop sequence is ``shutdown.DrainingServer``'s (in-flight requests get
+    ``settings.shutdown_timeout`` seconds)."""
+    app = build_app(client, settings)
+    state = app.state.heron
+    stats = client.stats()
+    logger.info("heron serving %s (%s) on %s://%s:%d  KV blocks: %s, max_model_len %d",
+                settings.served_model_name, dtype,
+                "https" if settings.http.ssl_certfile else "http", host, port,
+                stats.get("num_blocks"),
+                client.max_model_len)
+    in_flight = InFlightRequests(app, state)
+    server = DrainingServer(uvicorn.Config(in_flight, host=host, port=port,
+                                           timeout_graceful_shutdown=UVICORN_GRACE_S,
+                                           **settings.http.uvicorn_kwargs()),
+                            state, client, in_flight, settings.shutdown_timeout)
+    watchers = [asyncio.ensure_future(exit_on_engine_failure(client, server, state))]
+    if settings.openai.log_stats:  # --disable-log-stats: none
+        watchers.append(asyncio.ensure_future(log_engine_stats(client)))
+    try:
+        await server.serve()
+    finally:
+        for task in watchers:
+            task.cancel()
+    return 1 if client.failure is not None else 0
+
+
 def run(config: EngineConfig, settings: ServerSettings, host: str, port: int) -> int:
-    logging.getLogger("heron").setLevel(logging.INFO)
+    configure_default()  # INFO unless the caller (`heron serve -v / --quiet`) chose a level
     return asyncio.run(serve(config, settings, host, port))
