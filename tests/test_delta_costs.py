@@ -24,6 +24,7 @@ from heron.engine.detokenizer import IncrementalDetokenizer
 from heron.outputs import CompletionOutput, RequestOutput
 from heron.server import serving_completions
 from heron.server.admission import AdmissionController
+from heron.server.app import ServerSettings
 from heron.server.metrics import ServerMetrics
 from heron.server.protocol import CompletionRequest
 from heron.server.request_runner import run_all_to_completion, stream_outputs
@@ -136,7 +137,8 @@ def _served(path: str, length: int):
 async def _served_stream_cost(length: int, path: str) -> tuple[float, list[str]]:
     """/v1/completions streaming with logprobs: client -> stream_outputs -> SSE events."""
     client, msgs = _served(path, length)
-    state = SimpleNamespace(client=client, metrics=ServerMetrics(), model_name="m")
+    state = SimpleNamespace(client=client, metrics=ServerMetrics(), model_name="m",
+                            settings=ServerSettings("m"))
     req = CompletionRequest(model="m", prompt=PROMPT, max_tokens=length, logprobs=1,
                             stream=True, stream_options={"include_usage": True})
     params = req.to_sampling_params(default_max_tokens=None)

@@ -13,6 +13,7 @@ from server_fixture import HeronServer
 QUESTIONS = ["What is the capital of France?", "Name a color.", "Say hello in French.",
              "What is 2 + 2?"]
 GREEDY = dict(temperature=0, max_tokens=16)
+MODEL = "SmolLM2-135M-Instruct"  # the served name of the embedded model (others get 404)
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +37,7 @@ def test_models_and_chat_equal_offline(client, smollm2):
     assert client.models.list().data[0].id == "SmolLM2-135M-Instruct"
     for q in QUESTIONS[:2]:
         resp = client.chat.completions.create(
-            model="x", messages=[{"role": "user", "content": q}], **GREEDY)
+            model=MODEL, messages=[{"role": "user", "content": q}], **GREEDY)
         assert resp.choices[0].message.content == _offline_chat(smollm2, q)
         assert resp.usage.completion_tokens > 0 and resp.usage.prompt_tokens > 10
 
@@ -44,9 +45,9 @@ def test_models_and_chat_equal_offline(client, smollm2):
 def test_completions_stream_and_not_equal_offline(client, smollm2):
     prompt = "The three primary colors are"
     offline = smollm2.generate([prompt], SamplingParams(**GREEDY))[0].outputs[0].text
-    resp = client.completions.create(model="x", prompt=prompt, **GREEDY)
+    resp = client.completions.create(model=MODEL, prompt=prompt, **GREEDY)
     assert resp.choices[0].text == offline
-    chunks = list(client.completions.create(model="x", prompt=prompt, stream=True,
+    chunks = list(client.completions.create(model=MODEL, prompt=prompt, stream=True,
                                             stream_options={"include_usage": True}, **GREEDY))
     assert "".join(c.choices[0].text for c in chunks if c.choices) == offline
     assert chunks[-1].usage.completion_tokens == 16
@@ -59,7 +60,7 @@ def test_async_concurrent_streams_equal_offline(server, smollm2):
 
     async def one(aclient, q):
         stream = await aclient.chat.completions.create(
-            model="x", messages=[{"role": "user", "content": q}], stream=True, **GREEDY)
+            model=MODEL, messages=[{"role": "user", "content": q}], stream=True, **GREEDY)
         return "".join([c.choices[0].delta.content or "" async for c in stream])
 
     async def main():
@@ -70,30 +71,30 @@ def test_async_concurrent_streams_equal_offline(server, smollm2):
 
 
 def test_n_stop_logprobs_echo(client, smollm2):
-    resp = client.completions.create(model="x", prompt="Once upon a time", n=2, seed=3,
+    resp = client.completions.create(model=MODEL, prompt="Once upon a time", n=2, seed=3,
                                      temperature=1.0, max_tokens=8)
     assert sorted(c.index for c in resp.choices) == [0, 1]
     offline = smollm2.generate(["The capital of France is"],
                                SamplingParams(temperature=0, max_tokens=16))[0].outputs[0].text
     stop = offline.strip().split()[1]
-    resp = client.completions.create(model="x", prompt="The capital of France is", stop=[stop],
+    resp = client.completions.create(model=MODEL, prompt="The capital of France is", stop=[stop],
                                      **GREEDY)
     assert resp.choices[0].text == offline[:offline.index(stop)]
     assert resp.choices[0].finish_reason == "stop"
-    resp = client.completions.create(model="x", prompt="Hello world", echo=True, logprobs=2,
+    resp = client.completions.create(model=MODEL, prompt="Hello world", echo=True, logprobs=2,
                                      max_tokens=3, temperature=0)
     lp = resp.choices[0].logprobs
     assert resp.choices[0].text.startswith("Hello world")
     assert lp.token_logprobs[0] is None and len(lp.tokens) == 2 + 3
     assert all(len(t) >= 2 for t in lp.top_logprobs[1:])
-    chat = client.chat.completions.create(model="x", messages=[{"role": "user", "content": "Hi"}],
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
                                           logprobs=True, top_logprobs=3, max_tokens=4)
     entries = chat.choices[0].logprobs.content
     assert len(entries) == 4 and all(len(e.top_logprobs) == 3 for e in entries)
 
 
 def test_streaming_n2_sends_each_finish_once(client):
-    kw = dict(model="x", messages=[{"role": "user", "content": "Tell me a story."}], n=2,
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": "Tell me a story."}], n=2,
               seed=3, temperature=1.0, max_tokens=40, stop=["e"])
     full = client.chat.completions.create(**kw)
     # the samples stop at different steps: one is finished while the other still streams

@@ -338,7 +338,8 @@ def test_openapi_documents_what_the_server_answers(client):
     doc = client.get("/openapi.json").json()
     for path in ("/v1/completions", "/v1/chat/completions"):
         op = doc["paths"][path]["post"]
-        assert set(op["responses"]) == {"200", "400", "401", "413", "415", "429", "500", "503"}
+        assert set(op["responses"]) == {"200", "400", "401", "404", "408", "413", "415", "429",
+                                     "500", "503"}
         assert "text/event-stream" in op["responses"]["200"]["content"]
         assert op["requestBody"]["content"]["application/json"]["schema"]["$ref"]
     assert "422" not in json.dumps(doc["paths"])
