@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import shlex
+import socket
 
 import httpx
 import pytest
@@ -183,7 +184,7 @@ def server(tmp_path_factory):
                       "--return-tokens-as-token-ids", "--generation-config", str(gen),
                       "--disable-log-requests", "--swap-space", "4", "--dtype", "auto",
                       "--enable-prefix-caching", "--trust-remote-code",
-                      "--uvicorn-log-level", "warning")
+                      "--uvicorn-log-level", "warning", "--request-body-timeout", "1")
     yield srv
     assert srv.stop() == 0
 
@@ -247,3 +248,26 @@ def test_cors_and_csrf_over_http(server):
     assert r.status_code == 415
     r = httpx.head(f"{server.url}/v1/models")
     assert r.status_code == 200 and r.content == b""
+
+
+def _raw(server, request: bytes) -> bytes:
+    """Send ``request``; what the server answers before it closes the connection (10 s)."""
+    data = b""
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+        sock.sendall(request)
+        for _ in range(100):  # bounded: the server closes the connection after its answer
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+    return data
+
+
+def test_framing_and_stalled_bodies_through_uvicorn(server):
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    both = head + b"Content-Length: 4\r\nTransfer-Encoding: chunked\r\n\r\n2\r\n{}\r\n0\r\n\r\n"
+    answer = _raw(server, both)  # returns: the server closed the connection
+    assert answer.startswith(b"HTTP/1.1 400") and b"connection: close" in answer.lower()
+    stalled = _raw(server, head + b"Content-Length: 100\r\n\r\n{")  # 99 bytes never come
+    assert stalled.startswith(b"HTTP/1.1 408"), stalled[:200]
+    assert httpx.get(f"{server.url}/health").status_code == 200
