@@ -7,12 +7,14 @@ import argparse
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
     """Appends ``(default: X)`` to an option's help unless the help already states its
-    default (the word "default" in it), the default is None (the help says what "not
+    default ("(default ..." or "default: ..." in it), the default is None (the help says what "not
     given" means), or the option is an on/off flag (its help says which way it turns)."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
-        if not action.option_strings or "default" in text.lower() or "%(default)" in text:
+        lowered = text.lower()
+        if not action.option_strings or "(default" in lowered or "default:" in lowered \
+                or "%(default)" in text:
             return text
         if action.default is None or action.default is argparse.SUPPRESS:
             return text

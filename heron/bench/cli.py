@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from heron.cli_help import HelpFormatter
+
 EPILOG = """examples:
   heron bench throughput --peer hf                       # nano-vllm workload, heron vs HF
   heron bench throughput --peer vllm --num-prompts 64 --input-len 100:512 --output-len 100:256
@@ -20,7 +22,7 @@ EPILOG = """examples:
   heron bench report s.json l.json --out-dir benchmarks/results --gpu-hour-price 2.5
 """
 
-_FMT = argparse.ArgumentDefaultsHelpFormatter
+_FMT = HelpFormatter  # each default stated once
 
 
 def _common(p) -> None:

@@ -24,7 +24,7 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        logger.info("starting heron engine: %s", config.model or "embedded SmolLM2-135M-Instruct")
+        logger.debug("starting heron engine: %s", config.model or "embedded SmolLM2-135M-Instruct")
         self.core = EngineCore(config)
         with startup_phase(logger, "tokenizer"):
             self.tokenizer = load_tokenizer(self.core.tokenizer_dir)

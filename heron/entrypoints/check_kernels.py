@@ -7,12 +7,14 @@ import argparse
 import json
 import sys
 
+from heron.cli_help import HelpFormatter
+
 DTYPES = ("float32", "float16", "bfloat16")
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("check-kernels", help="Triton kernels vs float64 torch references",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                       formatter_class=HelpFormatter)
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="auto: cuda if available; cpu runs the Triton interpreter")
     p.add_argument("--shapes", choices=("auto", "small", "real"), default="auto",

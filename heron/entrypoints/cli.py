@@ -14,6 +14,8 @@ from heron.logging_config import configure as configure_logging
 from heron.logging_config import verbose as logging_verbose
 from heron.sampling_params import SamplingParams
 
+logger = logging.getLogger("heron.cli")
+
 EPILOG = """examples:
   heron generate "The capital of France is" --max-tokens 32
   heron generate "Tell me a joke" --chat --temperature 0.7 --seed 1
@@ -248,6 +250,10 @@ def _log_level(args) -> int | None:
 
 
 def _run(args) -> int:
+    if args.command in ("generate", "chat", "serve"):  # a first line before the imports
+        model = getattr(args, "model_path", None) or args.model
+        logger.info("heron %s: starting the engine for %s (startup phases follow; --quiet "
+                    "hides them)", args.command, model or "the embedded SmolLM2-135M-Instruct")
     if args.command == "serve":
         from heron.entrypoints.serve_cli import run as run_serve
 
