@@ -4,9 +4,11 @@ engine that generates one token per request every ``TOKEN_INTERVAL_S`` up to its
 than any grace period the tests give it, unless its client leaves or the server aborts it.
 
 Run as a script (the shutdown tests send it signals):
-    python tests/slow_engine_server.py PORT SHUTDOWN_TIMEOUT RECORD_PATH
+    python tests/slow_engine_server.py PORT SHUTDOWN_TIMEOUT RECORD_PATH [RELEASE_PATH]
 At exit it writes RECORD_PATH (JSON): the request ids the fake core was sent
-(``added``), those it was told to abort (``aborted``), and whether it was shut down.
+(``added``), those it was told to abort (``aborted``), and whether it was shut down. With
+RELEASE_PATH, stopping the fake core waits until that file exists (at most 60 s): the test
+decides how long the engine takes to stop.
 """
 
 from __future__ import annotations
@@ -29,22 +31,31 @@ from heron.transport import messages as m  # noqa: E402
 from heron.transport.async_client import AsyncEngineClient  # noqa: E402
 
 TOKEN_INTERVAL_S = 0.05
+HOLD_LIMIT_S = 60.0  # the longest a RELEASE_PATH holds the stop
+DIE_TOKEN = 999  # a request whose prompt is [DIE_TOKEN] makes the fake core die
 
 
 class SlowEngineClient(AsyncEngineClient):
     """The real client (streams, abort, abort_all) over a fake core: ``run_core`` reads what
     the client sent and routes one token per open request back, every TOKEN_INTERVAL_S."""
 
-    def __init__(self) -> None:
+    def __init__(self, release_path: str | None = None) -> None:
         ready = m.ReadyMsg("slow", "llama", 4096, 1000, 64, 16, [2], None)
         super().__init__(_Proc(), None, _InSock(), None, ready, "", LetterTokenizer())
         self._reader.cancel()
         self.running: dict[str, list[int]] = {}  # request id -> [tokens sent, max_tokens]
         self.was_shut_down = False
+        self.release_path = Path(release_path) if release_path else None
 
     async def shutdown(self, timeout: float = 10.0) -> None:
-        self.was_shut_down = True
+        if self._closed:
+            return
+        self._closed = self.was_shut_down = True
         self._mark_dead("the engine was shut down", error=False)
+        deadline = time.monotonic() + HOLD_LIMIT_S
+        while (self.release_path is not None and not self.release_path.exists()
+               and time.monotonic() < deadline):
+            await asyncio.sleep(0.05)
 
     def record(self) -> dict:
         sent = self._in.messages
@@ -57,7 +68,9 @@ class SlowEngineClient(AsyncEngineClient):
         seen = 0
         while self._dead is None:
             for msg in self._in.messages[seen:]:
-                if isinstance(msg, m.AddRequest):
+                if isinstance(msg, m.AddRequest) and msg.prompt_token_ids == [DIE_TOKEN]:
+                    self._mark_dead("the engine core died (exit code -9)")
+                elif isinstance(msg, m.AddRequest):
                     self.running[msg.request_id] = [0, msg.params.get("max_tokens") or 16]
                 elif isinstance(msg, m.Abort):
                     for request_id in msg.request_ids:
@@ -78,8 +91,9 @@ class SlowEngineClient(AsyncEngineClient):
             await asyncio.sleep(TOKEN_INTERVAL_S)
 
 
-async def main(port: int, shutdown_timeout: float, record_path: str) -> int:
-    client = SlowEngineClient()
+async def main(port: int, shutdown_timeout: float, record_path: str,
+               release_path: str | None = None) -> int:
+    client = SlowEngineClient(release_path)
     core = asyncio.ensure_future(client.run_core())
     settings = ServerSettings(served_model_name="slow", shutdown_timeout=shutdown_timeout)
     try:
@@ -91,4 +105,4 @@ async def main(port: int, shutdown_timeout: float, record_path: str) -> int:
 
 if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s %(message)s")
-    sys.exit(asyncio.run(main(int(sys.argv[1]), float(sys.argv[2]), sys.argv[3])))
+    sys.exit(asyncio.run(main(int(sys.argv[1]), float(sys.argv[2]), *sys.argv[3:5])))

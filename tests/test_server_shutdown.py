@@ -32,15 +32,17 @@ PLAIN = {"prompt": [1, 2, 3], "max_tokens": 1000}
 class SlowServer:
     """``slow_engine_server.py`` as a subprocess, its log in a file."""
 
-    def __init__(self, tmp_path: Path, shutdown_timeout: float) -> None:
+    def __init__(self, tmp_path: Path, shutdown_timeout: float, hold: bool = False) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.record_path = tmp_path / "record.json"
         self.log_path = tmp_path / "server.log"
+        self.release_path = tmp_path / "release"  # with hold: the engine stops once it exists
         with open(self.log_path, "w") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, str(SLOW_SERVER), str(self.port), str(shutdown_timeout),
-                 str(self.record_path)], stdout=log, stderr=subprocess.STDOUT)
+                 str(self.record_path), *([str(self.release_path)] if hold else [])],
+                stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and self.proc.poll() is None:
             try:
@@ -71,8 +73,8 @@ class SlowServer:
 def slow_server(request, tmp_path):
     servers = []
 
-    def start(shutdown_timeout: float) -> SlowServer:
-        servers.append(SlowServer(tmp_path, shutdown_timeout))
+    def start(shutdown_timeout: float, hold: bool = False) -> SlowServer:
+        servers.append(SlowServer(tmp_path, shutdown_timeout, hold))
         return servers[-1]
 
     yield start
@@ -196,6 +198,25 @@ def test_draining_answers_503_with_retry_after_and_ready_fails(slow_server):
     stream.thread.join(60)
     assert stream.events[-1]["error"]["code"] == 503 and "[DONE]" not in stream.events
     assert srv.proc.wait(60) == 0
+
+
+def test_after_an_engine_failure_the_port_answers_503_until_the_engine_has_stopped(
+        slow_server):
+    """The (fake) core dies and the test holds its stop: all the while /health and /ready
+    answer 503 (the listener is still open); once it has stopped the server exits 1."""
+    srv = slow_server(shutdown_timeout=30, hold=True)
+    stream = Stream(srv.url, STREAM)
+    assert stream.first.wait(30)
+    r = httpx.post(f"{srv.url}/v1/completions", json={**PLAIN, "prompt": [999]}, timeout=30)
+    assert r.status_code == 503  # the request that killed the fake core
+    stream.thread.join(30)
+    assert stream.events[-1]["error"]["code"] == 503 and "[DONE]" not in stream.events
+    for _ in range(5):  # the engine is stopping (held): the port still answers
+        _assert_503(httpx.get(f"{srv.url}/health", timeout=5), retry_after=True)
+        _assert_503(httpx.get(f"{srv.url}/ready", timeout=5), retry_after=True)
+    assert srv.proc.poll() is None
+    srv.release_path.touch()
+    assert srv.proc.wait(30) == 1
 
 
 # ---- 14. aborted requests are counted -------------------------------------------------------

@@ -5,6 +5,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import sys
+from typing import NoReturn
 
 import uvicorn
 
@@ -96,6 +99,14 @@ async def serve_client(client, settings: ServerSettings, host: str, port: int,
     return 1 if client.failure is not None else 0
 
 
-def run(config: EngineConfig, settings: ServerSettings, host: str, port: int) -> int:
+def run(config: EngineConfig, settings: ServerSettings, host: str, port: int) -> NoReturn:
+    """`heron serve`'s process: serve, then exit with ``serve``'s status. The process ends
+    right after the listener closes (``os._exit``, logs and streams flushed first): the
+    interpreter's teardown of torch and the rest takes seconds on a busy machine, seconds in
+    which a supervisor would see a live process whose port refuses connections."""
     configure_default()  # INFO unless the caller (`heron serve -v / --quiet`) chose a level
-    return asyncio.run(serve(config, settings, host, port))
+    status = asyncio.run(serve(config, settings, host, port))
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(status)
