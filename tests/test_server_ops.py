@@ -92,7 +92,7 @@ def test_disconnected_streams_leak_no_blocks(server):
     ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
     ({"prompt": "x", "top_p": 1.5}, "top_p"),
     ({"prompt": "x", "n": 0}, "n"),
-    ({"prompt": "x", "logprobs": 9}, "logprobs"),
+    ({"prompt": "x", "logprobs": 21}, "logprobs"),  # over --max-logprobs (20)
     ({"prompt": "x", "stop": [f"s{i}" for i in range(40)]}, "stop"),
     ({"prompt": "x " * 2000, "max_tokens": 4}, "prompt"),
     ({"prompt": "hello", "max_tokens": 5000}, "max_tokens"),
