@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from types import SimpleNamespace
 
 import pytest
@@ -203,3 +204,17 @@ def test_client_errors_carry_no_internal_class_names():
     assert (status, message) == (500, "the engine failed this request: boom")
     _, message, _ = classify(RequestFailedError("KeyError"))
     assert "Error" not in message
+
+
+def test_request_log_line_follows_enable_log_requests():
+    requests_log, heron_log = logging.getLogger("heron.server.requests"), logging.getLogger("heron")
+    level = heron_log.level
+    heron_log.setLevel(logging.INFO)  # as `heron serve` runs
+    try:
+        build_app(FakeClient(), ServerSettings("smol"))
+        assert requests_log.isEnabledFor(logging.INFO)
+        build_app(FakeClient(), ServerSettings("smol", openai=OpenAIOptions(log_requests=False)))
+        assert not requests_log.isEnabledFor(logging.INFO)
+    finally:
+        heron_log.setLevel(level)
+        requests_log.setLevel(logging.NOTSET)

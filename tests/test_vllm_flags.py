@@ -208,6 +208,9 @@ def test_served_names_model_404_and_response_role(server):
         "message": "The model `not-smol` does not exist.", "type": "NotFoundError",
         "param": "model", "code": 404}}
     assert _chat(server, model=None).status_code == 200  # no model: served (as vLLM)
+    log = server.log_tail(1_000_000)
+    assert "heron serving smol" in log and " done: prompt=" not in log  # --disable-log-requests
+    assert "--swap-space is ignored" in log and "--trust-remote-code is not needed" in log
 
 
 def test_generation_config_defaults_reach_requests(server):
