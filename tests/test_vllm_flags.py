@@ -184,7 +184,8 @@ def server(tmp_path_factory):
                       "--return-tokens-as-token-ids", "--generation-config", str(gen),
                       "--disable-log-requests", "--swap-space", "4", "--dtype", "auto",
                       "--enable-prefix-caching", "--trust-remote-code",
-                      "--uvicorn-log-level", "warning", "--request-body-timeout", "1")
+                      "--uvicorn-log-level", "warning", "--request-body-timeout", "1",
+                      "--chat-template", "<<{% for m in messages %}{{ m.content }}|{% endfor %}>>")
     yield srv
     assert srv.stop() == 0
 
@@ -274,3 +275,13 @@ def test_framing_and_stalled_bodies_through_uvicorn(server):
     stalled = _raw(server, head + b"Content-Length: 100\r\n\r\n{")  # 99 bytes never come
     assert stalled.startswith(b"HTTP/1.1 408"), stalled[:200]
     assert httpx.get(f"{server.url}/health").status_code == 200
+
+
+def test_chat_template_flag_replaces_the_tokenizers(server):
+    def tokens(**body):
+        r = httpx.post(f"{server.url}/tokenize", json={"model": "smol", **body}, timeout=30)
+        assert r.status_code == 200, r.text
+        return r.json()["tokens"]
+
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo"}]
+    assert tokens(messages=messages) == tokens(prompt="<<Hi|Yo|>>", add_special_tokens=False)
