@@ -152,7 +152,14 @@ def main() -> int:
     p.add_argument("--max-tokens", type=int, default=32, help="tokens per completion")
     p.add_argument("--startup-timeout", type=float, default=600.0)
     p.add_argument("--out", default=None, help="write the table (Markdown) here")
+    p.add_argument("--startup-only", action="store_true",
+                   help="only time `heron serve` (defaults) to its first line and to ready")
     args = p.parse_args()
+    if args.startup_only:
+        proc, _, startup = start_server([], args.startup_timeout)
+        stop(proc)
+        print(json.dumps({"load1": round(os.getloadavg()[0], 2), **startup}))
+        return 0
     cores = len(os.sched_getaffinity(0))
     import torch
 

@@ -278,8 +278,10 @@ def default_cpu_threads(ranks_per_node: int, cores: int | None = None) -> tuple[
     cores = cores or len(os.sched_getaffinity(0))
     threads = max(1, (cores - 1) // ranks_per_node)
     per_rank = f" for each of {ranks_per_node} ranks" if ranks_per_node > 1 else ""
-    why = ("one left for the API server and scheduler" if cores > 1
-           else "the only core")
+    if threads * ranks_per_node < cores:
+        why = "one left for the API server and scheduler"
+    else:
+        why = "at least one per rank" if ranks_per_node > 1 else "the only core"
     return threads, f"{threads} of {cores} cores{per_rank} ({why}); --threads to change"
 
 

@@ -139,3 +139,13 @@ def test_generate_prints_speculative_decoding_figures(tiny):
     assert rate == pytest.approx(100 * accepted / draft_tokens, abs=0.05)
     assert mean_len == pytest.approx(1 + accepted / drafts, abs=0.005)
     assert "speculative" not in proc.stdout
+
+
+def test_thread_default_leaves_a_core_for_the_rest():
+    from heron.config import default_cpu_threads
+
+    assert default_cpu_threads(1, cores=2)[0] == 1
+    assert default_cpu_threads(1, cores=16)[0] == 15
+    assert default_cpu_threads(2, cores=16)[0] == 7
+    assert default_cpu_threads(4, cores=2)[0] == 1  # never zero
+    assert "--threads" in default_cpu_threads(1, cores=8)[1]

@@ -107,9 +107,15 @@ class ChatSession:
         self.history.append({"role": "user", "content": line})
         self.out.write("assistant> ")
         self.out.flush()
-        with StopFlag() as stop:
-            self.last = stream(self.llm, self.llm.apply_chat_template(self.history),
-                               self.params, self.out, stop)
+        try:
+            with StopFlag() as stop:
+                self.last = stream(self.llm, self.llm.apply_chat_template(self.history),
+                                   self.params, self.out, stop)
+        except ValueError as exc:  # refused (too long for the context...): the chat goes on
+            self.history.pop()
+            self.out.write("\n")
+            self.say(f"error: {exc} (the message was not added to the conversation)")
+            return
         if self.last.stopped:
             self.say("[reply stopped; the part shown stays in the conversation]")
         self.history.append({"role": "assistant", "content": self.last.text})

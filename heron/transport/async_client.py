@@ -33,6 +33,7 @@ from heron.errors import EngineStartupError
 from heron.transport import messages as m
 from heron.transport.core_process import run_engine_core
 from heron.loader.model_source import load_tokenizer
+from heron.logging_config import startup_phase
 from heron.engine.core_outputs import RequestOutputKind
 from heron.engine.output_processor import OutputProcessor
 from heron.outputs import OutputAccumulator, RequestOutput, merge_deltas
@@ -106,7 +107,8 @@ class AsyncEngineClient:
         proc.start()
         try:
             ready = await _wait_ready(proc, out_sock, startup_timeout)
-            tokenizer = await asyncio.to_thread(load_tokenizer, ready.tokenizer_dir)
+            with startup_phase(logger, "tokenizer"):
+                tokenizer = await asyncio.to_thread(load_tokenizer, ready.tokenizer_dir)
         except BaseException:
             _stop_process(proc, 0)
             _close(ctx, in_sock, out_sock, tmpdir)

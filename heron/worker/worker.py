@@ -59,17 +59,9 @@ class Worker:
         model, arch, dtype = self._load_model(config)
         spec = config.speculative
         draft = load_draft(spec, model, arch, dtype, self.device) if spec else None
-        layers, kv_heads, head_dim = model.kv_cache_layout()
-        wanted = config.max_model_len or arch.max_position_embeddings
+        layers = model.kv_cache_layout()[0]
         sched = config.scheduler
-        with startup_phase(logger, "KV cache sizing") as phase:
-            blocks = _agree_min(num_kv_blocks(KVLayout(len(layers), kv_heads, head_dim),
-                                              config.cache, dtype, self.device,
-                                              sched.max_num_seqs * wanted,
-                                              draft_kv_layout(draft)), self.device)
-            self.max_model_len = fit_max_model_len(wanted, config.max_model_len,
-                                                   blocks * config.cache.block_size)
-            phase.detail = f"{blocks} blocks x {config.cache.block_size} tokens"
+        blocks = self._size_kv_cache(config, model, arch, dtype, draft)
         graphs = self.device.type == "cuda" and not config.enforce_eager
         with startup_phase(logger, "KV cache allocation" + (" and decode graphs" if graphs
                                                             else "")):
@@ -86,6 +78,21 @@ class Worker:
                     get_tp_group().rank_in_group, get_pp_group().rank_in_group, layers[0],
                     layers[-1], blocks, config.cache.block_size, self.device,
                     time.monotonic() - started)
+
+    def _size_kv_cache(self, config: EngineConfig, model, arch, dtype, draft) -> int:
+        """KV blocks from the memory left (the smallest over the ranks); sets
+        ``max_model_len`` to what they hold."""
+        layers, kv_heads, head_dim = model.kv_cache_layout()
+        wanted = config.max_model_len or arch.max_position_embeddings
+        with startup_phase(logger, "KV cache sizing") as phase:
+            blocks = _agree_min(num_kv_blocks(KVLayout(len(layers), kv_heads, head_dim),
+                                              config.cache, dtype, self.device,
+                                              config.scheduler.max_num_seqs * wanted,
+                                              draft_kv_layout(draft)), self.device)
+            self.max_model_len = fit_max_model_len(wanted, config.max_model_len,
+                                                   blocks * config.cache.block_size)
+            phase.detail = f"{blocks} blocks x {config.cache.block_size} tokens"
+        return blocks
 
     def _load_model(self, config: EngineConfig):
         """Resolve the checkpoint, build this rank's shard and fill it: (model, arch, dtype)."""
