@@ -1,15 +1,18 @@
 """`heron chat` through a pseudo-terminal, as a user types: Ctrl-C stops a reply and the chat
 goes on, Ctrl-C at the prompt clears the line, the Up arrow recalls a line, /help, /reset,
-/stats, Ctrl-D quits with status 0."""
+/stats, Ctrl-D quits with status 0. And `heron generate` on a terminal: progress bars."""
 
 from __future__ import annotations
 
+import fcntl
 import os
 import pty
 import re
 import select
 import signal
+import struct
 import sys
+import termios
 import time
 
 import pytest
@@ -25,6 +28,8 @@ class Terminal:
         self.pid, self.fd = pty.fork()
         if self.pid == 0:  # the child: becomes the program
             os.execve(argv[0], argv, env)
+        # a terminal of 40 x 120 (a pty starts at 0 x 0, where progress bars draw nothing)
+        fcntl.ioctl(self.fd, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
         self.seen = b""
 
     def expect(self, pattern: bytes, timeout: float = 180.0) -> re.Match:
@@ -128,3 +133,16 @@ def test_prompt_keys_and_commands(chat):
     chat.expect(rb"you> ")
     chat.send(b"/exit\r")
     assert chat.wait() == 0
+
+
+def test_generate_draws_progress_bars_on_a_terminal(tiny):
+    env = {k: v for k, v in os.environ.items() if k != "HERON_LOGGING_LEVEL"}
+    term = Terminal([sys.executable, "-m", "heron", "generate", "Hi", "--model", tiny,
+                     "--max-tokens", "2"], env)
+    try:
+        term.expect(rb"INFO heron\.cli: heron generate: starting")
+        term.expect(rb"loading weights: \d+ tensors")
+        term.expect(rb"INFO heron\.worker\.worker: startup: weights took")
+        assert term.wait() == 0
+    finally:
+        term.kill()
