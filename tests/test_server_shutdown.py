@@ -9,6 +9,7 @@ Llama checks the same against the real engine. Servers bind 127.0.0.1; every wai
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -22,6 +23,11 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from fake_core import offline_client, sent
+from heron.sampling_params import SamplingParams
+from heron.server.failures import classify
+from heron.transport import messages as m
+from heron.transport.async_client import RequestAbortedError
 from server_fixture import HeronServer, free_port, make_tiny_served_model
 
 SLOW_SERVER = Path(__file__).resolve().parent / "slow_engine_server.py"
@@ -139,6 +145,28 @@ def _assert_503(r: httpx.Response, retry_after: bool) -> None:
 
 
 # ---- 11. the grace runs out: every client hears it ------------------------------------------
+def test_abort_all_ends_open_requests_and_refuses_new_ones():
+    """The client side of the cut: open generations raise RequestAbortedError (a 503), the
+    core gets one Abort naming them all, and later requests are refused the same way."""
+    params = SamplingParams(max_tokens=5)
+
+    async def scenario():
+        client = offline_client()
+        pending = asyncio.ensure_future(anext(client.generate("r", [1, 2], params)))
+        await asyncio.sleep(0)  # the AddRequest is sent, the generator waits for output
+        assert client.abort_all("shutting down") == 1
+        with pytest.raises(RequestAbortedError, match="shutting down"):
+            await pending
+        with pytest.raises(RequestAbortedError):
+            await anext(client.generate("s", [1], params))
+        return sent(client)
+
+    messages = asyncio.run(scenario())
+    assert [x.request_id for x in messages if isinstance(x, m.AddRequest)] == ["r"]
+    assert ["r"] in [x.request_ids for x in messages if isinstance(x, m.Abort)]
+    assert classify(RequestAbortedError("x"))[:2] == (503, "x")
+
+
 def test_requests_longer_than_the_grace_end_with_an_error_event_or_a_json_503(slow_server):
     srv = slow_server(shutdown_timeout=1)
     streams = [Stream(srv.url, STREAM) for _ in range(3)]

@@ -95,12 +95,16 @@ class DrainingServer(uvicorn.Server):
                                self.grace_s)
         if self.in_flight.count == 0:
             return
-        reason = (f"the server is shutting down and this request did not finish within its "
-                  f"{self.grace_s:g} s grace period (--shutdown-timeout)")
+        if self.force_exit:  # a second Ctrl-C
+            reason = "the server was told to stop at once and aborted this request"
+        else:
+            reason = (f"the server is shutting down and this request did not finish within "
+                      f"its {self.grace_s:g} s grace period (--shutdown-timeout)")
         aborted = self.client.abort_all(reason)
-        logger.warning("shutdown grace period (%g s) over: aborted %d engine request(s); "
-                       "%d HTTP request(s) end with 503 or an error event", self.grace_s,
-                       aborted, self.in_flight.count)
+        logger.warning("shutdown: aborted %d engine request(s) (%s); %d HTTP request(s) end "
+                       "with 503 or an error event", aborted,
+                       "stop at once" if self.force_exit else f"{self.grace_s:g} s grace over",
+                       self.in_flight.count)
         await self._wait_until(lambda: self.in_flight.count == 0, CUT_WAIT_S)
 
     @staticmethod
