@@ -10,15 +10,21 @@
 //
 // quant_linear(x (M, K) float32, qweight, scales, mins, group_size, bits) -> y (M, N) float32.
 //
-// Up to kGemvMaxRows rows of x (decode), a GEMV (quant_linear.h): threads split the output
-// features, each weight byte is read from memory once and each run of 8 values, turned into
-// floats, serves up to 8 rows of x. For M = 1 the group scale multiplies a group's partial
-// dot product once and the offsets come from x's group sums:
-//   y[n] = sum_g scales[n, g] * (x_g . q[n]_g) + mins[n, g] * sum(x_g).
-// Larger M (prefill): x is transposed into strips of 16 rows once, tiles of 48 output features
-// are dequantized into a per-thread float buffer that stays in L2, and a register-tiled GEMM
-// (6 features x 16 rows, 12 accumulators) multiplies them; measured faster than dequantizing
-// for MKL's sgemm and on par with or faster than oneDNN on the float32 weight.
+// One row of x (decode): threads split the output features; each weight row is read once,
+// dequantized in registers, into four interleaved sets of accumulators (quant_linear.h).
+// Up to kGemvMaxRows rows (a decode batch): blocks of 8 output features whose weights stay
+// in L1 while tiles of up to 8 rows of x pass over them, each run dequantized once per tile.
+// More rows (prefill): tiles of 48 output features are dequantized into a per-thread float
+// buffer that stays in L2, and a register-tiled GEMM (6 rows x 2 features) multiplies them,
+// 64 rows of x at a time.
+//
+// Batch invariance: every path computes each y[m, n] in one order of arithmetic
+// (quant_linear.h), so a row's result is bit-for-bit the same whatever M is and whichever
+// path runs. (Before, three paths chosen by M summed in three orders: for M = 1 the group
+// scale factored out of the sum, up to 12 rows a dequantized weight per run, above that a
+// GEMM whose lanes ran along M. A request's logits then depended on how many others shared
+// its step, and with 8-bit activations (FP8, W8A8) the last-bit differences became other
+// 8-bit levels and other tokens.)
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -35,11 +41,19 @@ namespace {
 using namespace heron_cpu;
 using namespace heron_cpu::quant;
 
-// Up to kGemvMaxRows rows of x the GEMV beats dequantize + GEMM (measured on AVX2).
-constexpr int64_t kGemvMaxRows = 12;
+constexpr int64_t kGemvMaxRows = 12;  // rows of x the tiled GEMV takes (measured, AVX2)
+constexpr int64_t kGemmRowBlock = 64;  // rows of x the GEMM passes over a dequantized tile
 
 template <Format kFormat>
 void gemv(const Operands& o) {
+  const int64_t grain = std::max<int64_t>(1, 16384 / o.K);
+  at::parallel_for(0, o.N, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) gemv_one<kFormat>(o, n);
+  });
+}
+
+template <Format kFormat>
+void gemv_tiles(const Operands& o) {
   const int64_t blocks = (o.N + kBlockRows - 1) / kBlockRows;
   const int64_t grain = std::max<int64_t>(1, 16384 / (kBlockRows * o.K * o.M));
   at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
@@ -52,22 +66,25 @@ void gemv(const Operands& o) {
 
 template <Format kFormat>
 void dequantize_gemm(const Operands& o) {
-  constexpr int64_t kTile = 48;  // output features dequantized at a time: 4 x 12 or 8 x 6
-  std::vector<float> strips((o.M + kLanes - 1) / kLanes * kLanes * o.K);
-  pack_strips(o.x, o.M, o.K, strips.data());
+  constexpr int64_t kTile = 48;  // output features dequantized at a time
+  const SetLayout sets(o.K / kLanes);
+  std::vector<float> xs(o.M * o.K);
+  set_major_x(o.x, o.M, o.K, sets, xs.data());
   const int64_t tiles = (o.N + kTile - 1) / kTile;
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> w(kTile * o.K);
     for (int64_t t = begin; t < end; ++t) {
       const int64_t n0 = t * kTile, rows = std::min(kTile, o.N - n0);
-      dequantize_rows<kFormat>(o, n0, rows, w.data());
-      gemm_tile(o, strips.data(), w.data(), n0, rows);
+      dequantize_rows<kFormat>(o, sets, n0, rows, w.data());
+      for (int64_t m0 = 0; m0 < o.M; m0 += kGemmRowBlock)
+        gemm_tile(o, xs.data(), sets, w.data(), n0, rows, m0, std::min(kGemmRowBlock, o.M - m0));
     }
   });
 }
 
-// y = x @ dequantize(weight).T for any layout: the GEMV up to kGemvMaxRows rows of x, the
-// dequantize + register-tiled GEMM above. scales, mins: contiguous float32 (N, K / group_size).
+// y = x @ dequantize(weight).T for any layout: the one-row GEMV, the tiled GEMV or the
+// dequantize + register-tiled GEMM by the number of rows; each y[m, n] the same either way.
+// scales, mins: contiguous float32 (N, K / group_size).
 at::Tensor multiply(const at::Tensor& x, const uint8_t* q, const at::Tensor& scales,
                     const at::Tensor& mins, int64_t group_size, Format format,
                     int64_t q_stride) {
@@ -76,24 +93,21 @@ at::Tensor multiply(const at::Tensor& x, const uint8_t* q, const at::Tensor& sca
   auto y = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
   if (K == 0) return y.zero_();
-  std::vector<float> x_sums;
+  std::vector<int32_t> run_group(K / kLanes);
+  for (int64_t i = 0; i < K / kLanes; ++i) run_group[i] = static_cast<int32_t>(i * kLanes / group_size);
   Operands o{xc.data_ptr<float>(), q, scales.data_ptr<float>(), mins.data_ptr<float>(),
-             nullptr, y.data_ptr<float>(), M, N, K, G, group_size, q_stride};
-  if (M <= kGemvMaxRows) {
-    if (M == 1) {
-      x_sums.resize(G);
-      for (int64_t g = 0; g < G; ++g) {
-        vfloat acc{};
-        for (int64_t k = g * group_size; k < (g + 1) * group_size; k += kLanes)
-          acc += load(o.x + k);
-        x_sums[g] = hsum(acc);
-      }
-      o.x_sums = x_sums.data();
-    }
+             y.data_ptr<float>(), M, N, K, G, group_size, q_stride, run_group.data()};
+  if (M == 1) {
     switch (format) {
       case Format::kNibbles: gemv<Format::kNibbles>(o); break;
       case Format::kBytes: gemv<Format::kBytes>(o); break;
       case Format::kFp8: gemv<Format::kFp8>(o); break;
+    }
+  } else if (M <= kGemvMaxRows) {
+    switch (format) {
+      case Format::kNibbles: gemv_tiles<Format::kNibbles>(o); break;
+      case Format::kBytes: gemv_tiles<Format::kBytes>(o); break;
+      case Format::kFp8: gemv_tiles<Format::kFp8>(o); break;
     }
   } else {
     switch (format) {

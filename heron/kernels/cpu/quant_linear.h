@@ -9,7 +9,7 @@
 
 #include "simd.h"
 
-#if defined(__AVX2__)
+#if defined(__AVX2__) || defined(__FMA__)
 #include <immintrin.h>
 #endif
 
@@ -92,138 +92,152 @@ inline float hsum(vfloat v) {
   return (s[0] + s[2]) + (s[1] + s[3]);
 }
 
+// a * b + c rounded once, spelled out: every path below must round exactly alike, and a
+// plain `a * b + c` is fused or not at the compiler's choice (-ffp-contract), which may
+// differ between two inlined copies of the same expression.
+inline vfloat fmadd(vfloat a, vfloat b, vfloat c) {
+#if defined(__FMA__)
+  return __builtin_bit_cast(vfloat, _mm256_fmadd_ps(__builtin_bit_cast(__m256, a),
+                                                    __builtin_bit_cast(__m256, b),
+                                                    __builtin_bit_cast(__m256, c)));
+#else
+  vfloat r;
+  for (int i = 0; i < kLanes; ++i) r[i] = __builtin_fmaf(a[i], b[i], c[i]);
+  return r;
+#endif
+}
+
+// ---- Batch invariance: one order of arithmetic for every y[m, n] ----
+//
+// y[m, n] is the same float whatever the number of rows M and whichever path below runs (a
+// request's output must not depend on what else is in its batch: with quantized activations
+// a last-bit difference moves a value onto another 8-bit level, then to other tokens). Every
+// path computes, over the runs of 8 input features (run i: features 8 i .. 8 i + 7),
+//   w_i = fmadd(q_i, scale_g, min_g)            the dequantized weights (g: run i's group)
+//   acc_s = fmadd(w_i, x_i, acc_s)  for i = s mod 4, i increasing: four sets of 8 lanes
+//   y[m, n] = hsum((acc_0 + acc_1) + (acc_2 + acc_3)).
+// Paths differ only in which (m, n) they compute together (tiles, threads) and in how they
+// reach that order (the sets interleaved for one row, one set after another for a tile).
+
+constexpr int kSets = 4;
+
+inline float combine_sets(vfloat a0, vfloat a1, vfloat a2, vfloat a3) {
+  return hsum((a0 + a1) + (a2 + a3));
+}
+
 // The call's operands as raw pointers (all contiguous).
 struct Operands {
   const float* x;       // (M, K)
   const uint8_t* q;     // (N, q_stride)
   const float* scales;  // (N, G)
   const float* mins;    // (N, G)
-  const float* x_sums;  // (G,) for M = 1: x summed over each group
   float* y;             // (M, N)
   int64_t M, N, K, G, group_size, q_stride;
+  const int32_t* run_group;  // (K / 8,) the group of each run (gemv_tile)
 };
 
-// sum_i a[i] * b[i].
-inline float dot(const float* a, const float* b, int64_t n) {
-  vfloat acc{};
-  int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes) acc += load(a + i) * load(b + i);
-  float s = hsum(acc);
-  for (; i < n; ++i) s += a[i] * b[i];
-  return s;
-}
-
-// One row of x (decode, M = 1) times R output features from n0, by
-//   y = sum_g scales[g] (x_g . q_g) + mins . x_sums:
-// within a group the accumulators gather x * q (plain FMAs on the converted values) and are
-// scaled once; the offsets are one dot product with x's group sums at the end. kSets sets of
-// accumulators take turns over a group's runs, so R * kSets FMA chains hide the latency.
-// Any layout and group size (a multiple of 8); nibble rows with 64 | K take gemv_chunks.
-template <Format kFormat, int R, int kSets>
-void gemv_one_row(const Operands& o, int64_t n0) {
-  const int64_t runs = o.group_size / kLanes;
-  const uint8_t* q[R];
-  for (int r = 0; r < R; ++r) q[r] = o.q + (n0 + r) * o.q_stride;
-  const float* scales = o.scales + n0 * o.G;
-  vfloat total[R] = {};
-  const float* x = o.x;
-  for (int64_t g = 0, run = 0; g < o.G; ++g) {
-    vfloat acc[kSets][R] = {};
-    int64_t c = 0;
-    for (; c + kSets <= runs; c += kSets) {
-      for (int s = 0; s < kSets; ++s, x += kLanes, ++run) {
-        const vfloat xv = load(x);
-        for (int r = 0; r < R; ++r) acc[s][r] += run_values<kFormat>(q[r], run) * xv;
-      }
-    }
-    for (; c < runs; ++c, x += kLanes, ++run) {  // runs left over by the sets
-      const vfloat xv = load(x);
-      for (int r = 0; r < R; ++r) acc[0][r] += run_values<kFormat>(q[r], run) * xv;
-    }
-    for (int r = 0; r < R; ++r) {
-      vfloat sum = acc[0][r];
-      for (int s = 1; s < kSets; ++s) sum += acc[s][r];
-      total[r] += splat(scales[r * o.G + g]) * sum;
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    o.y[n0 + r] = hsum(total[r]) + dot(o.mins + (n0 + r) * o.G, o.x_sums, o.G);
-}
-
-// The nibble GEMV for one row of x and one output feature n when 64 divides K and the group
-// size is 8, 16 or 32 (kGroupRuns = 1, 2, 4 runs: a chunk holds 8 / kGroupRuns groups) or a
-// multiple of 64 (kGroupRuns = 8: a group is group_size / 64 whole chunks). Each chunk is one
-// 32-byte load; its 8 runs are immediate shifts of it, into two accumulators taking turns.
-template <int kGroupRuns>
-void gemv_chunks(const Operands& o, int64_t n) {
+// One row of x (decode) times output feature n, the weights dequantized in registers: the
+// four sets interleaved, four independent FMA chains over one sequential weight stream.
+template <Format kFormat>
+void gemv_one(const Operands& o, int64_t n) {
   const uint8_t* q = o.q + n * o.q_stride;
   const float* scales = o.scales + n * o.G;
-  const int64_t chunks = o.K / kChunkValues;
-  const int64_t chunks_per_group = kGroupRuns == kChunkRuns ? o.group_size / kChunkValues : 1;
-  vfloat total{}, acc[2] = {};
-  const float* x = o.x;
-  int64_t g = 0;
-  for (int64_t c = 0; c < chunks; ++c, q += kChunkBytes, x += kChunkValues) {
-    const vuint w = load_chunk(q);
-#pragma GCC unroll 8
-    for (int i = 0; i < kChunkRuns; ++i) {
-      acc[i & 1] += chunk_run(w, i) * load(x + i * kLanes);
-      if constexpr (kGroupRuns < kChunkRuns) {
-        if ((i + 1) % kGroupRuns == 0) {  // a group ends with this run
-          total += splat(scales[g++]) * (acc[0] + acc[1]);
-          acc[0] = acc[1] = vfloat{};
-        }
+  const float* mins = o.mins + n * o.G;
+  const int64_t runs = o.K / kLanes, group_runs = o.group_size / kLanes;
+  vfloat acc[kSets] = {};
+  if (kFormat == Format::kNibbles && group_runs % kSets == 0 && runs % kChunkRuns == 0) {
+    // one load per chunk of 8 runs (two blocks of kSets runs, each within one group)
+    for (int64_t run = 0; run < runs; run += kChunkRuns) {
+      const vuint chunk = load_chunk(q + run / kChunkRuns * kChunkBytes);
+#pragma GCC unroll 2
+      for (int h = 0; h < 2; ++h) {
+        const int64_t g = o.run_group[run + h * kSets];
+        const vfloat s = splat(scales[g]), z = splat(mins[g]);
+#pragma GCC unroll 4
+        for (int i = 0; i < kSets; ++i)
+          acc[i] = fmadd(fmadd(chunk_run(chunk, h * kSets + i), s, z),
+                         load(o.x + (run + h * kSets + i) * kLanes), acc[i]);
       }
     }
-    if constexpr (kGroupRuns == kChunkRuns) {
-      if ((c + 1) % chunks_per_group == 0) {
-        total += splat(scales[g++]) * (acc[0] + acc[1]);
-        acc[0] = acc[1] = vfloat{};
+  } else if (group_runs % kSets == 0) {  // a block of kSets runs never straddles two groups
+    for (int64_t g = 0, run = 0; g < o.G; ++g) {
+      const vfloat s = splat(scales[g]), z = splat(mins[g]);
+      for (int64_t c = 0; c < group_runs; c += kSets, run += kSets) {
+#pragma GCC unroll 4
+        for (int i = 0; i < kSets; ++i)
+          acc[i] = fmadd(fmadd(run_values<kFormat>(q, run + i), s, z),
+                         load(o.x + (run + i) * kLanes), acc[i]);
       }
     }
+  } else {  // groups of 8, 16, 24 ... values: follow the group run by run
+    int64_t g = 0, c = 0, run = 0;
+    auto step = [&](vfloat& a) {
+      a = fmadd(fmadd(run_values<kFormat>(q, run), splat(scales[g]), splat(mins[g])),
+                load(o.x + run * kLanes), a);
+      ++run;
+      if (++c == group_runs) c = 0, ++g;
+    };
+    for (; run + kSets <= runs;) {
+#pragma GCC unroll 4
+      for (int i = 0; i < kSets; ++i) step(acc[i]);
+    }
+    for (int i = 0; run < runs; ++i) step(acc[i]);
   }
-  o.y[n] = hsum(total) + dot(o.mins + n * o.G, o.x_sums, o.G);
+  o.y[n] = combine_sets(acc[0], acc[1], acc[2], acc[3]);
 }
 
-// Runs per group for gemv_chunks (1, 2, 4, or 8 for whole chunks), 0 where it does not apply.
-inline int chunk_group_runs(const Operands& o) {
-  if (o.K % kChunkValues) return 0;
-  if (o.group_size % kChunkValues == 0) return kChunkRuns;
-  const int64_t runs = o.group_size / kLanes;
-  return runs == 1 || runs == 2 || runs == 4 ? static_cast<int>(runs) : 0;
+// Runs of K per block of gemv_tile: blocks of at most 64 runs (512 values; 8 rows of x: 16
+// KiB, in L1 across the four passes), of near-equal size, a multiple of kSets.
+inline int64_t tile_block_runs(int64_t runs) {
+  constexpr int64_t kMaxBlockRuns = 64;
+  const int64_t blocks = (runs + kMaxBlockRuns - 1) / kMaxBlockRuns;
+  const int64_t per_block = (runs + blocks - 1) / blocks;
+  return (per_block + kSets - 1) / kSets * kSets;
 }
 
-// MT rows of x from m0 times R output features from n0: each run of 8 values is dequantized
-// once (q * scale + min) and multiplies all MT rows.
+// MT rows of x from m0 times R output features from n0, the weights dequantized in
+// registers: one set after another (MT * R accumulators), each run dequantized once for all
+// MT rows. Any group size (o.run_group gives each run's).
 template <Format kFormat, int MT, int R>
 void gemv_tile(const Operands& o, int64_t m0, int64_t n0) {
-  const int64_t runs = o.group_size / kLanes;
+  const int64_t runs = o.K / kLanes;
   const uint8_t* q[R];
   for (int r = 0; r < R; ++r) q[r] = o.q + (n0 + r) * o.q_stride;
   const float* scales = o.scales + n0 * o.G;
   const float* mins = o.mins + n0 * o.G;
   const float* x = o.x + m0 * o.K;
-  vfloat acc[MT][R] = {};
-  for (int64_t g = 0, run = 0; g < o.G; ++g) {
-    vfloat s[R], z[R];
-    for (int r = 0; r < R; ++r) {
-      s[r] = splat(scales[r * o.G + g]);
-      z[r] = splat(mins[r * o.G + g]);
-    }
-    for (int64_t c = 0; c < runs; ++c, ++run) {
-      vfloat w[R];
-      for (int r = 0; r < R; ++r) w[r] = run_values<kFormat>(q[r], run) * s[r] + z[r];
-      for (int m = 0; m < MT; ++m) {
-        const vfloat xv = load(x + m * o.K + run * kLanes);
-        for (int r = 0; r < R; ++r) acc[m][r] += w[r] * xv;
+  vfloat parts[kSets][MT][R] = {};
+  // K in blocks of block_runs runs, so that the MT rows' block of x stays in L1 across the
+  // four passes; each set's sum continues from block to block (its order is unchanged)
+  const int64_t block_runs = tile_block_runs(runs);
+  for (int64_t block = 0; block < runs; block += block_runs) {
+    const int64_t block_end = std::min(runs, block + block_runs);
+    for (int set = 0; set < kSets; ++set) {
+      vfloat acc[MT][R];
+      for (int m = 0; m < MT; ++m)
+        for (int r = 0; r < R; ++r) acc[m][r] = parts[set][m][r];
+      for (int64_t run = block + set; run < block_end; run += kSets) {
+        const int64_t g = o.run_group[run];
+        vfloat w[R];
+        for (int r = 0; r < R; ++r)
+          w[r] = fmadd(run_values<kFormat>(q[r], run), splat(scales[r * o.G + g]),
+                       splat(mins[r * o.G + g]));
+        for (int m = 0; m < MT; ++m) {
+          const vfloat xv = load(x + m * o.K + run * kLanes);
+          for (int r = 0; r < R; ++r) acc[m][r] = fmadd(w[r], xv, acc[m][r]);
+        }
       }
+      for (int m = 0; m < MT; ++m)
+        for (int r = 0; r < R; ++r) parts[set][m][r] = acc[m][r];
     }
   }
   for (int m = 0; m < MT; ++m)
-    for (int r = 0; r < R; ++r) o.y[(m0 + m) * o.N + n0 + r] = hsum(acc[m][r]);
+    for (int r = 0; r < R; ++r)
+      o.y[(m0 + m) * o.N + n0 + r] = combine_sets(parts[0][m][r], parts[1][m][r],
+                                                  parts[2][m][r], parts[3][m][r]);
 }
 
-// Output features per gemv_tile for MT rows of x. More rows share each load of x, but the
+// Output features per gemv_tile for MT rows of x: more share each load of x, but the
 // hardware prefetcher follows interleaved weight rows badly (measured: one row at a time is
 // fastest for the 8-bit layout, two for 4-bit, whose values cost more to unpack).
 template <Format kFormat, int MT>
@@ -238,14 +252,6 @@ void gemv_rows(const Operands& o, int64_t m0, int64_t n0, int64_t rows) {
   for (; r < rows; ++r) gemv_tile<kFormat, MT, 1>(o, m0, n0 + r);
 }
 
-// Output features n0 .. n0 + rows for one row of x, R at a time.
-template <Format kFormat, int R, int kSets>
-void one_rows(const Operands& o, int64_t n0, int64_t rows) {
-  int64_t r = 0;
-  for (; r + R <= rows; r += R) gemv_one_row<kFormat, R, kSets>(o, n0 + r);
-  for (; r < rows; ++r) gemv_one_row<kFormat, 1, kSets>(o, n0 + r);
-}
-
 constexpr int64_t kMaxTileM = 8;  // rows of x one gemv_tile multiplies
 constexpr int64_t kBlockRows = 8;  // output features per gemv_block
 
@@ -253,28 +259,6 @@ constexpr int64_t kBlockRows = 8;  // output features per gemv_block
 // weights stay in L1 while tiles of up to kMaxTileM rows of x pass over them).
 template <Format kFormat>
 void gemv_block(const Operands& o, int64_t n0, int64_t rows) {
-  if (o.M == 1 && kFormat != Format::kFp8) {
-    // (fp8 takes the tiles below: each weight is scaled before it multiplies x, the rounding
-    // of a float GEMM on the dequantized weight, which fp8 activations are sensitive to)
-    if constexpr (kFormat == Format::kNibbles) {
-      switch (chunk_group_runs(o)) {
-        case 1: for (int64_t r = 0; r < rows; ++r) gemv_chunks<1>(o, n0 + r); return;
-        case 2: for (int64_t r = 0; r < rows; ++r) gemv_chunks<2>(o, n0 + r); return;
-        case 4: for (int64_t r = 0; r < rows; ++r) gemv_chunks<4>(o, n0 + r); return;
-        case kChunkRuns: for (int64_t r = 0; r < rows; ++r) gemv_chunks<kChunkRuns>(o, n0 + r);
-          return;
-        default: one_rows<kFormat, 1, 2>(o, n0, rows); return;
-      }
-    }
-    // One weight row at a time keeps the reads close to one sequential stream (the hardware
-    // prefetcher loses track of more), with as many sets of accumulators as a group's runs
-    // fill (measured).
-    const int64_t runs = o.group_size / kLanes;
-    runs >= 4   ? one_rows<kFormat, 1, 4>(o, n0, rows)
-    : runs >= 2 ? one_rows<kFormat, 1, 2>(o, n0, rows)
-                : one_rows<kFormat, 1, 1>(o, n0, rows);
-    return;
-  }
   const int64_t tiles = (o.M + kMaxTileM - 1) / kMaxTileM;
   for (int64_t t = 0, m0 = 0; t < tiles; ++t) {
     const int64_t mt = (o.M - m0) / (tiles - t);  // near-equal tiles
@@ -292,97 +276,110 @@ void gemv_block(const Operands& o, int64_t n0, int64_t rows) {
   }
 }
 
-// Output features n0 .. n0 + rows as a float (rows, K) matrix.
+// ---- Several rows: the runs of K reordered set by set (set-major: the runs of set 0, then
+// those of set 1, ...) in a copy of x and in a tile of dequantized weights, so that a
+// register-tiled product can sum each set over contiguous memory. ----
+
+// Where each set starts in a set-major row (in runs), and how many runs it has.
+struct SetLayout {
+  int64_t start[kSets], count[kSets];
+  explicit SetLayout(int64_t runs) {
+    for (int64_t s = 0, at = 0; s < kSets; ++s) {
+      count[s] = runs > s ? (runs - s + kSets - 1) / kSets : 0;
+      start[s] = at;
+      at += count[s];
+    }
+  }
+  // the set-major position of run i
+  int64_t position(int64_t i) const { return start[i % kSets] + i / kSets; }
+};
+
+// rows of x (M, K) -> set-major rows (M, K).
+inline void set_major_x(const float* x, int64_t M, int64_t K, const SetLayout& sets, float* out) {
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t i = 0; i < K / kLanes; ++i)
+      store(out + m * K + sets.position(i) * kLanes, load(x + m * K + i * kLanes));
+}
+
+// Output features n0 .. n0 + rows dequantized into a float (rows, K) matrix, set-major, each
+// value rounded exactly as gemv_one rounds it.
 template <Format kFormat>
-void dequantize_rows(const Operands& o, int64_t n0, int64_t rows, float* out) {
+void dequantize_rows(const Operands& o, const SetLayout& sets, int64_t n0, int64_t rows,
+                     float* out) {
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t n = n0 + r;
     const uint8_t* q = o.q + n * o.q_stride;
     float* w = out + r * o.K;
-    for (int64_t g = 0, k0 = 0; g < o.G; ++g, k0 += o.group_size) {
+    for (int64_t g = 0, i = 0; g < o.G; ++g) {
       const vfloat s = splat(o.scales[n * o.G + g]), z = splat(o.mins[n * o.G + g]);
-      for (int64_t k = k0; k < k0 + o.group_size; k += kLanes)
-        store(w + k, run_values<kFormat>(q, k / kLanes) * s + z);
+      for (int64_t c = 0; c < o.group_size / kLanes; ++c, ++i)
+        store(w + sets.position(i) * kLanes, fmadd(run_values<kFormat>(q, i), s, z));
     }
   }
 }
 
-// ---- Prefill: x transposed into strips of 16 (or, last, 8) rows, weights dequantized into
-// row tiles, and a register-tiled GEMM over them: 6 output features x 16 rows of x (or
-// 12 x 8), 12 accumulators. ----
+// The register-tiled product: MT rows x R features, MT * R accumulators summing one set
+// over contiguous runs, then the next set (6 x 2: 12 accumulators, 8 loads per 12 FMAs;
+// measured faster than 4 x 3 and 3 x 3).
+constexpr int kGemmRows = 6, kGemmFeatures = 2;
 
-constexpr int64_t kStrip = 16;  // rows of x per strip (two vectors)
-
-// Rows of x in the strip starting at row m0: 16, or 8 for a last strip of 8 or fewer.
-inline int64_t strip_width(int64_t M, int64_t m0) { return M - m0 > kLanes ? kStrip : kLanes; }
-
-// x in strips, transposed: the strip of width S at row m0 holds
-// strips[m0 * K + k * S + i] = x[m0 + i, k] (zero past M). strips: ceil(M / 8) * 8 * K floats.
-inline void pack_strips(const float* x, int64_t M, int64_t K, float* strips) {
-  for (int64_t m0 = 0; m0 < M;) {
-    const int64_t width = strip_width(M, m0), rows = std::min(width, M - m0);
-    float* s = strips + m0 * K;
-    for (int64_t k = 0; k < K; ++k)
-      for (int64_t i = 0; i < width; ++i) s[k * width + i] = i < rows ? x[(m0 + i) * K + k] : 0.f;
-    m0 += width;
-  }
-}
-
-// y[i, r] (row stride ldy) for i < rows, r < NF: strip (K, 8 V) times NF dequantized weight
-// rows w (row stride K).
-template <int V, int NF>
-void strip_kernel(const float* strip, const float* w, int64_t K, float* y, int64_t ldy,
-                  int64_t rows) {
-  vfloat acc[NF][V] = {};
-  for (int64_t k = 0; k < K; ++k) {
-    vfloat xv[V];
-    for (int v = 0; v < V; ++v) xv[v] = load(strip + (k * V + v) * kLanes);
-    for (int r = 0; r < NF; ++r) {
-      const vfloat wv = splat(w[r * K + k]);
-      for (int v = 0; v < V; ++v) acc[r][v] += wv * xv[v];
+// y[m, r] (row stride ldy) for m < MT, r < R: set-major rows of x (stride K) times set-major
+// dequantized weight rows w (stride K).
+template <int MT, int R>
+void gemm_kernel(const float* x, const float* w, int64_t K, const SetLayout& sets, float* y,
+                 int64_t ldy) {
+  vfloat parts[kSets][MT][R];
+  for (int s = 0; s < kSets; ++s) {
+    vfloat acc[MT][R] = {};
+    const int64_t begin = sets.start[s] * kLanes, end = begin + sets.count[s] * kLanes;
+    for (int64_t k = begin; k < end; k += kLanes) {
+      vfloat wv[R];
+      for (int r = 0; r < R; ++r) wv[r] = load(w + r * K + k);
+      for (int m = 0; m < MT; ++m) {
+        const vfloat xv = load(x + m * K + k);
+        for (int r = 0; r < R; ++r) acc[m][r] = fmadd(wv[r], xv, acc[m][r]);
+      }
     }
+    for (int m = 0; m < MT; ++m)
+      for (int r = 0; r < R; ++r) parts[s][m][r] = acc[m][r];
   }
-  for (int r = 0; r < NF; ++r)
-    for (int64_t i = 0; i < rows; ++i) y[i * ldy + r] = acc[r][i / kLanes][i % kLanes];
+  for (int m = 0; m < MT; ++m)
+    for (int r = 0; r < R; ++r)
+      y[m * ldy + r] = combine_sets(parts[0][m][r], parts[1][m][r], parts[2][m][r],
+                                    parts[3][m][r]);
 }
 
-// One strip (V vectors wide) times `count` (< 12 / V) weight rows.
-template <int V>
-void strip_tail(const float* strip, const float* w, int64_t K, float* y, int64_t ldy,
-                int64_t rows, int64_t count) {
-#define HERON_STRIP_CASE(n) \
-  case n: if constexpr (n * V < 12) strip_kernel<V, n>(strip, w, K, y, ldy, rows); break;
-  switch (count) {
-    HERON_STRIP_CASE(1) HERON_STRIP_CASE(2) HERON_STRIP_CASE(3) HERON_STRIP_CASE(4)
-    HERON_STRIP_CASE(5) HERON_STRIP_CASE(6) HERON_STRIP_CASE(7) HERON_STRIP_CASE(8)
-    HERON_STRIP_CASE(9) HERON_STRIP_CASE(10) HERON_STRIP_CASE(11)
+// gemm_kernel for mt <= kGemmRows rows and R features.
+template <int R>
+void gemm_rows(int64_t mt, const float* x, const float* w, int64_t K, const SetLayout& sets,
+               float* y, int64_t ldy) {
+#define HERON_GEMM_CASE(n) \
+  case n: if constexpr (n <= kGemmRows) gemm_kernel<n, R>(x, w, K, sets, y, ldy); break;
+  switch (mt) {
+    HERON_GEMM_CASE(1) HERON_GEMM_CASE(2) HERON_GEMM_CASE(3) HERON_GEMM_CASE(4)
+    HERON_GEMM_CASE(5) HERON_GEMM_CASE(6) HERON_GEMM_CASE(7) HERON_GEMM_CASE(8)
     default: break;
   }
-#undef HERON_STRIP_CASE
+#undef HERON_GEMM_CASE
 }
 
-// Every row of x (as strips) times output features n0 .. n0 + rows, whose dequantized
-// weights are w (rows, K).
-template <int V>
-void gemm_strip(const Operands& o, const float* strip, const float* w, int64_t n0,
-                int64_t rows, float* y, int64_t mrows) {
-  constexpr int NF = 12 / V;
-  int64_t r = 0;
-  for (; r + NF <= rows; r += NF) strip_kernel<V, NF>(strip, w + r * o.K, o.K, y + r, o.N, mrows);
-  if (r < rows) strip_tail<V>(strip, w + r * o.K, o.K, y + r, o.N, mrows, rows - r);
-}
-
-inline void gemm_tile(const Operands& o, const float* strips, const float* w, int64_t n0,
-                      int64_t rows) {
-  for (int64_t m0 = 0; m0 < o.M;) {
-    const int64_t width = strip_width(o.M, m0), mrows = std::min(width, o.M - m0);
-    const float* strip = strips + m0 * o.K;
-    float* y = o.y + m0 * o.N + n0;
-    if (width == kStrip)
-      gemm_strip<2>(o, strip, w, n0, rows, y, mrows);
-    else
-      gemm_strip<1>(o, strip, w, n0, rows, y, mrows);
-    m0 += width;
+// Rows m0 .. m0 + mrows of x (set-major: xs) times output features n0 .. n0 + rows, whose
+// dequantized weights are w (rows, K), set-major: each kGemmRows rows of x stay in L1 while
+// the tile's features pass.
+inline void gemm_tile(const Operands& o, const float* xs, const SetLayout& sets, const float* w,
+                      int64_t n0, int64_t rows, int64_t m0, int64_t mrows) {
+  for (int64_t m = m0; m < m0 + mrows; m += kGemmRows) {
+    const int64_t mt = std::min<int64_t>(kGemmRows, m0 + mrows - m);
+    const float* x = xs + m * o.K;
+    for (int64_t r = 0; r < rows; r += kGemmFeatures) {
+      const int64_t nf = std::min<int64_t>(kGemmFeatures, rows - r);
+      float* y = o.y + m * o.N + n0 + r;
+      switch (nf) {
+        case 1: gemm_rows<1>(mt, x, w + r * o.K, o.K, sets, y, o.N); break;
+        case 2: gemm_rows<2>(mt, x, w + r * o.K, o.K, sets, y, o.N); break;
+        default: gemm_rows<kGemmFeatures>(mt, x, w + r * o.K, o.K, sets, y, o.N); break;
+      }
+    }
   }
 }
 
