@@ -15,6 +15,14 @@ So every float32 projection keeps both copies (``dual``: twice the projection me
 picks per call by the number of rows; ``dual=False`` keeps only the packed copy (not used by
 the loader yet). Where torch lacks oneDNN, ``loader.weights.optimize_layout`` keeps the
 column-major weight alone and ``F.linear`` runs.
+
+Batch invariance: the two forms round differently, so a row's result depends on how many
+rows share the call (1-3 vs 4+: a last-bit difference, enough to flip a greedy near-tie).
+oneDNN's packed form alone gives every row the same bits whatever the row count (checked by
+tests/test_batch_invariance.py), at 1.1-1.5x the column-major time for one row. With
+``BATCH_INVARIANT`` set (``set_batch_invariant``; vLLM's ``VLLM_BATCH_INVARIANT``) the
+packed form runs for every row count. Quantized layers are batch invariant always
+(``heron.kernels.cpu``'s quant_linear).
 """
 
 from __future__ import annotations
@@ -23,6 +31,13 @@ import torch
 import torch.nn.functional as F
 
 GEMV_MAX_ROWS = 3  # up to this many rows the column-major copy is used
+BATCH_INVARIANT = False  # True: the packed form for every row count (see the docstring)
+
+
+def set_batch_invariant(enabled: bool) -> None:
+    """Every float32 projection gives a row the same bits whatever else is in its batch."""
+    global BATCH_INVARIANT
+    BATCH_INVARIANT = bool(enabled)
 
 
 def packing_available() -> bool:
@@ -40,6 +55,6 @@ class CpuGemm:
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x: (rows, in) -> (rows, out)."""
-        if self.gemv is not None and x.shape[0] <= GEMV_MAX_ROWS:
+        if self.gemv is not None and x.shape[0] <= GEMV_MAX_ROWS and not BATCH_INVARIANT:
             return F.linear(x, self.gemv, bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
