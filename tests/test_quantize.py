@@ -320,3 +320,25 @@ def test_cli_rejects_awq_partial_groups(tmp_path):
     rc = main(["quantize", str(src), "--method", "awq", "--group-size", "48",
                "--calib", str(calib), "--out", str(tmp_path / "o")])
     assert rc == 2 and not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("hidden,intermediate,expected", [(128, 256, 128), (576, 1536, 64),
+                                                          (96, 160, 32)])
+def test_default_group_size_divides_every_input_size(hidden, intermediate, expected):
+    """--group-size left out: 128 where it divides every linear's input (the tools' default),
+    else 64 (SmolLM2: 576 = 9 x 64), else 32, so vLLM / AWQ GEMM get whole groups."""
+    import transformers
+
+    from heron.quant.quantize import QuantizeOptions, choose_group_size, resolve_group_size
+
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=hidden,
+                                      intermediate_size=intermediate, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=2)
+    model = transformers.LlamaForCausalLM(config)
+    assert choose_group_size(model) == expected
+    opts = QuantizeOptions(method="awq")
+    resolve_group_size(model, opts, log=lambda m: None)
+    assert opts.group_size == expected
+    explicit = QuantizeOptions(method="gptq", group_size=-1)
+    resolve_group_size(model, explicit, log=lambda m: None)
+    assert explicit.group_size == -1

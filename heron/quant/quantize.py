@@ -33,7 +33,7 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 class QuantizeOptions:
     method: str = "gptq"
     bits: int = 4
-    group_size: int = 128
+    group_size: int | None = None  # None: choose_group_size (128, or less where it must)
     act_order: bool = False
     sym: bool = True
     damp: float = 0.01
@@ -49,6 +49,8 @@ class QuantizeOptions:
             raise ValueError(f"--method must be one of {METHODS}, got {self.method!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"--dtype must be one of {tuple(DTYPES)}, got {self.dtype!r}")
+        if self.group_size is None:  # chosen from the model's shapes in quantize()
+            return
         if self.method == "gptq":
             if self.bits not in (4, 8):
                 raise ValueError(f"gptq: --bits must be 4 or 8, got {self.bits}")
@@ -152,6 +154,27 @@ def _smoothquant_layer(layer, groups, states, opts, records, names, log) -> None
 LAYER_METHODS = {"gptq": _gptq_layer, "awq": _awq_layer, "smoothquant": _smoothquant_layer}
 
 
+GROUP_SIZES = (128, 64, 32)  # preferred first: the tools' default, then finer
+
+
+def choose_group_size(model) -> int:
+    """The largest of 128, 64, 32 dividing every decoder linear's input size (SmolLM2: 64,
+    as 576 = 9 x 64), so that every group is whole: vLLM's GPTQ kernels and AWQ GEMM need
+    that. 32 when none divides (check_shapes then says what is wrong)."""
+    sizes = {lin.in_features for layer in seq.decoder_layers(model)
+             for g in seq.layer_groups(layer) for lin in g.linears}
+    return next((g for g in GROUP_SIZES if all(k % g == 0 for k in sizes)), GROUP_SIZES[-1])
+
+
+def resolve_group_size(model, opts: QuantizeOptions, log=print) -> None:
+    """Fill in ``opts.group_size`` when it was left to heron (gptq / awq)."""
+    if opts.group_size is None and opts.method in ("gptq", "awq"):
+        opts.group_size = choose_group_size(model)
+        log(f"--group-size {opts.group_size} (the largest of {GROUP_SIZES} dividing every "
+            f"input size)")
+        opts.check()
+
+
 def check_shapes(model, opts: QuantizeOptions, log=print) -> None:
     """Refuse shapes the format cannot store; warn about those vLLM's kernels refuse."""
     warned = False
@@ -183,6 +206,7 @@ def quantize_model(model, samples: list[torch.Tensor] | None, opts: QuantizeOpti
     """Quantize ``model``'s decoder linears in place (weights become their dequantized
     values; AWQ / SmoothQuant scales folded into the norms) -> {module name: IntQuant |
     ScaledQuant}."""
+    resolve_group_size(model, opts, log)
     opts.check()
     names = {id(m): n for n, m in model.named_modules()}
     layers = seq.decoder_layers(model)
@@ -243,6 +267,7 @@ def quantize(model: str | None, out: str | Path, opts: QuantizeOptions, log=prin
     opts.check()
     t0 = time.perf_counter()
     lm, tok = load_model(model)
+    resolve_group_size(lm, opts, log)
     check_shapes(lm, opts, log)
     samples = None
     if opts.needs_data:

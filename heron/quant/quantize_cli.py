@@ -6,11 +6,14 @@ from __future__ import annotations
 import argparse
 import json
 
-EPILOG = """examples:
-  heron quantize --method gptq --bits 4 --group-size 128 --out /tmp/smollm2-gptq
-  heron quantize ./my-hf-dir --method awq --group-size 64 --out ./awq   # 576 = 9 x 64
+EPILOG = """examples (the embedded SmolLM2 unless MODEL is given):
+  heron quantize --method gptq --bits 4 --out /tmp/smollm2-gptq   # groups of 64: 576 = 9 x 64
+  heron quantize --method awq --out /tmp/smollm2-awq --num-samples 16 --seq-len 256  # faster
   heron quantize ./my-hf-dir --method smoothquant --alpha 0.5 --out ./w8a8
-  heron quantize model.gguf --method fp8 --out ./fp8-dynamic
+  heron quantize model.gguf --method fp8 --out ./fp8-dynamic   # no calibration
+
+Calibration (gptq, awq, smoothquant) runs --num-samples x --seq-len tokens (64 x 512 by
+default) through the model once per layer; the time grows with that product.
 
 Formats: gptq -> AutoGPTQ/GPTQModel v1 (qweight/qzeros/scales/g_idx, quantize_config.json);
 awq -> AutoAWQ GEMM; smoothquant -> compressed-tensors int-quantized (W8A8 int8, dynamic
@@ -30,8 +33,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--method", required=True, choices=("gptq", "awq", "smoothquant", "fp8"))
     p.add_argument("--out", required=True, help="checkpoint directory to write")
     p.add_argument("--bits", type=int, default=4, choices=(4, 8), help="gptq: weight bits (4)")
-    p.add_argument("--group-size", type=int, default=128,
-                   help="gptq / awq: input channels per scale, -1 = whole row (gptq) (128)")
+    p.add_argument("--group-size", type=int, default=None,
+                   help="gptq / awq: input channels per scale, -1 = whole row (gptq) "
+                   "(default: 128, or 64 / 32 where 128 does not divide every input size)")
     p.add_argument("--act-order", action="store_true",
                    help="gptq: visit columns by decreasing Hessian diagonal (desc_act)")
     p.add_argument("--sym", action=argparse.BooleanOptionalAction, default=True,
