@@ -62,7 +62,7 @@ FORMATS = [  # (bits, group size; None: one group per row)
     (8, None),  # W8A8 int8 per channel
     (3, 8), (2, 24),  # odd widths, and groups that straddle the kernel's sets of runs
 ]
-WIDTHS = [192, 72, 1536]  # whole nibble chunks, a partial chunk and set, a long K
+WIDTHS = [192, 96, 72, 1536]  # whole nibble chunks, half a chunk, partial sets, a long K
 
 
 @pytest.mark.parametrize("k,bits,group", [(k, b, g or k) for k in WIDTHS for b, g in FORMATS
