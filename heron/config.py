@@ -294,6 +294,13 @@ def fault_injection_token() -> int | None:
     return int(value) if value else None
 
 
+def batch_invariant() -> bool:
+    """``HERON_BATCH_INVARIANT=1`` (vLLM's ``VLLM_BATCH_INVARIANT``): float32 projections
+    also give a row the same bits whatever else is in its batch (quantized layers and
+    attention always do), at some cost for small batches (``heron.layers.cpu_gemm``)."""
+    return os.environ.get("HERON_BATCH_INVARIANT", "0").strip().lower() in ("1", "true", "yes")
+
+
 def master_address() -> tuple[str, int | None]:
     """``MASTER_ADDR`` / ``MASTER_PORT`` (torch.distributed's names; a LeaderWorkerSet sets
     them): the defaults of ``--master-addr`` / ``--master-port``."""

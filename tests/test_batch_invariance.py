@@ -3,7 +3,9 @@
 Kernel level: every quantized linear path (the grouped-integer kernel behind GGUF, GPTQ, AWQ
 and W8A8; FP8's kernel; the float32 ``CpuGemm`` in batch-invariant mode) gives one row the
 same bits alone as inside a batch of 2..150 rows, for row counts that take each of the
-kernel's paths (1, <= 12, > 12), group sizes of every format and K that leave partial sets.
+kernel's paths (1, <= 12, > 12), group sizes of every format and K that leave partial sets;
+paged attention gives a position the same bits however its chunk was cut (a decode, a
+one-token chunk after a prefix hit, a long prompt) and whatever else is in the step.
 
 Model level: for each weight format heron runs (tiny random Llama checkpoints written like
 the reference tools write them, the real SmolLM2 GGUF, and n-gram speculation on), a
@@ -104,11 +106,44 @@ def test_float_cpu_gemm_is_batch_invariant_when_asked(monkeypatch):
     _assert_rows_invariant(gemm, 576)
 
 
+def test_attention_row_is_the_same_however_its_chunk_was_cut():
+    """Paged attention of a position alone (a decode, or a one-token chunk after a prefix-cache
+    hit) equals that position's row inside a longer chunk, and inside a mixed batch, bit for
+    bit: the chunking of a prompt depends on the other requests of a step (shared token
+    budget, prefix hits), so it must not reach the result."""
+    from heron.kernels import cases
+
+    seq_len, q_len = 150, 40  # the chunk: positions 110 .. 149
+    case = cases.attention_case([q_len], [seq_len], 3, 3, 64, 16, torch.float32, seed=4)
+    starts, lens, tables = case.device_tensors()
+    attend = torch.ops.heron_cpu.paged_attention
+    whole = attend(case.q, case.key_cache, case.value_cache, tables, lens, starts, case.scale, 0)
+    for cut in ([1] * 3 + [37], [1, 39], [17, 1, 22], [39, 1]):  # one-token chunks among others
+        pos, rows = seq_len - q_len, []
+        for n in cut:
+            q = case.q[pos - (seq_len - q_len):][:n]
+            pos += n
+            rows.append(attend(q, case.key_cache, case.value_cache, tables,
+                               torch.tensor([pos]), torch.tensor([0, n]), case.scale, 0))
+        assert torch.equal(torch.cat(rows), whole), f"chunks {cut}"
+    # the same chunk as one request of a mixed step: decodes and prompts of other requests
+    mixed = cases.attention_case([1, q_len, 7, 1], [90, seq_len, 30, 5], 3, 3, 64, 16,
+                                 torch.float32, seed=4)
+    got = cases.run_cpu_attention(mixed)
+    _, m_lens, m_tables = mixed.device_tensors()
+    for request in range(4):  # each request's rows alone equal its rows in the mixed step
+        lo, hi = mixed.query_start_loc[request], mixed.query_start_loc[request + 1]
+        alone = attend(mixed.q[lo:hi], mixed.key_cache, mixed.value_cache,
+                       m_tables[request:request + 1], m_lens[request:request + 1],
+                       torch.tensor([0, hi - lo]), mixed.scale, 0)
+        assert torch.equal(alone, got[lo:hi]), f"request {request}"
+
+
 # ---- model level ----
 
-# Prefix caching off: the batch must not find the prompt's blocks cached by the run alone (a
-# cache hit computes the prompt's attention in two parts, another order of arithmetic, which
-# is not what this test is about). The budget holds all 32 prompts' prefill in one step.
+# Prefix caching off here (test_fp8_with_prefix_cache_hits_and_one_token_chunks turns it on):
+# the batch then computes every prompt whole. The budget holds all 32 prompts' prefill in
+# one step.
 ENGINE = dict(num_kv_blocks=512, block_size=4, enable_prefix_caching=False,
               max_num_batched_tokens=2048)
 
@@ -163,6 +198,16 @@ def test_fp8_quantized_at_load_with_ngram_speculation(tiny, invariant_float):
     _assert_same(*_alone_and_in_batch(llm, prompts))
 
 
+def test_fp8_with_prefix_cache_hits_and_one_token_chunks(tiny, invariant_float):
+    """Prefix caching on (the default): the batch finds the first prompt's blocks cached by
+    its run alone, and prompts of 4k + 1 tokens sharing a 4k-token prefix leave one-token
+    chunks after their hits; the output is still the same bits as alone."""
+    shared = _mixed_prompts(1, 2, 512)[0][:3] * 4  # 12 tokens: three 4-token blocks
+    prompts = [shared + [5 + i] for i in range(8)] + _mixed_prompts(24, 3, 512)
+    llm = LLM(str(tiny), quantization="fp8", **{**ENGINE, "enable_prefix_caching": True})
+    _assert_same(*_alone_and_in_batch(llm, prompts, checked=4))
+
+
 def test_smollm2_gguf_greedy_output_alone_equals_in_a_batch_of_32():
     """The real model's GGUF (Q4_1 projections, a Q8_0 tied embedding / LM head): all of it
     through the quantized kernel, no float projection left."""
@@ -175,3 +220,13 @@ def test_smollm2_gguf_greedy_output_alone_equals_in_a_batch_of_32():
     alone = [llm.generate([p], params)[0].outputs[0] for p in prompts[:2]]
     together = [o.outputs[0] for o in llm.generate(prompts, params)][:2]
     _assert_same(alone, together)
+
+
+def test_float_model_batch_invariant_through_the_environment(tiny, monkeypatch):
+    """HERON_BATCH_INVARIANT=1 (vLLM's VLLM_BATCH_INVARIANT) reaches the worker: a float32
+    model's greedy output and logprobs alone equal those in a batch of 32."""
+    monkeypatch.setattr(cpu_gemm, "BATCH_INVARIANT", False)  # restored after the test
+    monkeypatch.setenv("HERON_BATCH_INVARIANT", "1")
+    llm = LLM(str(tiny), **ENGINE)
+    assert cpu_gemm.BATCH_INVARIANT
+    _assert_same(*_alone_and_in_batch(llm, _mixed_prompts(32, 4, 512)))

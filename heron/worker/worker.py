@@ -11,7 +11,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from heron.config import EngineConfig, default_cpu_threads
+from heron.config import EngineConfig, batch_invariant, default_cpu_threads
 from heron.logging_config import startup_phase
 from heron.loader.model_source import resolve_model
 from heron.loader.weights import (build_model, materialize_weights, model_weight_bytes,
@@ -19,6 +19,7 @@ from heron.loader.weights import (build_model, materialize_weights, model_weight
 from heron.quant.config import resolve_quantization
 from heron.models import ModelArchConfig
 from heron.distributed import get_pp_group, get_tp_group, init_parallel
+from heron.layers import cpu_gemm
 from heron.worker.memory import KVLayout, num_kv_blocks
 from heron.worker.model_runner import ModelRunner
 from heron.worker.proposers import draft_kv_layout, load_draft, make_proposer
@@ -56,6 +57,10 @@ class Worker:
                           par.collective_timeout_s)
         if self.device.type == "cpu":
             _build_cpu_kernels()
+            if batch_invariant():
+                cpu_gemm.set_batch_invariant(True)
+                logger.info("batch invariant: float32 projections use one GEMM form for "
+                            "every row count (HERON_BATCH_INVARIANT)")
         model, arch, dtype = self._load_model(config)
         spec = config.speculative
         draft = load_draft(spec, model, arch, dtype, self.device) if spec else None

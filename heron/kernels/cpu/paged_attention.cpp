@@ -11,8 +11,11 @@
 // paged_attention(q (T, H, D), ..., query_start_loc (num_reqs + 1,)): a flat batch of ragged
 //   chunks; request i owns rows query_start_loc[i] .. query_start_loc[i + 1], the last
 //   positions of its seq_lens[i] tokens (decodes, prefill chunks after a cached prefix, fresh
-//   prompts, in any mix). Decodes take the decode routine, longer chunks the tiled one
-//   (paged_prefill.h).
+//   prompts, in any mix). Every chunk, a decode's single query included, takes the tiled
+//   routine (paged_prefill.h): a row's arithmetic does not depend on how its chunk was cut
+//   or tiled, so a position's output is the same bits whether it was computed alone, as a
+//   one-token chunk after a prefix-cache hit, or inside a long prompt (batch invariance; for
+//   one query it is also no slower than the decode routine).
 // Both return a contiguous (tokens, H, D) tensor of q's dtype.
 
 #include <ATen/ATen.h>
@@ -172,8 +175,7 @@ struct Batch {
   float scale;
 };
 
-// Runs the tiles of one work item: the decode routine for a chunk of one query, the tiled
-// prefill routine otherwise.
+// Runs the tiles of one work item.
 template <typename T>
 void run_item(const Batch<T>& b, const WorkItem& w, Workspace& ws) {
   const int64_t group = b.heads / b.kv_heads, head = w.kv_head * group;
@@ -189,12 +191,8 @@ void run_item(const Batch<T>& b, const WorkItem& w, Workspace& ws) {
     const int64_t token = b.starts[w.request] + first;
     const T* q = b.q + token * b.q_stride + head * b.head_dim;
     T* out = b.out + token * out_stride + head * b.head_dim;
-    if (q_len == 1)
-      decode_one<T>(q, b.key_cache, b.value_cache, table, seq_len, w.kv_head, group,
-                    b.head_dim, b.block_size, b.kv_heads, b.scale, b.window, out);
-    else
-      attend_tile(kv, q, b.q_stride, out, out_stride, seq_len - q_len + first, count, group,
-                  b.scale, b.window, ws);
+    attend_tile(kv, q, b.q_stride, out, out_stride, seq_len - q_len + first, count, group,
+                b.scale, b.window, ws);
   }
 }
 

@@ -65,7 +65,8 @@ struct Workspace {
 
 // c (RI rows x NV vectors, row stride ldc) = c * col_scale + a b, in registers: a(i, j) =
 // a[i * a_row + j * a_col] is broadcast, b (inner rows x NV vectors, row stride ldb) is read
-// by vectors. col_scale == nullptr overwrites c.
+// by vectors. col_scale == nullptr overwrites c. Every product is added with one rounding
+// (fmadd) whatever RI and NV, so an element's bits do not depend on the block it falls in.
 template <int RI, int NV>
 inline void gemm_block(float* c, int64_t ldc, const float* a, int64_t a_row, int64_t a_col,
                        const float* b, int64_t ldb, int64_t inner, const float* col_scale) {
@@ -80,7 +81,7 @@ inline void gemm_block(float* c, int64_t ldc, const float* a, int64_t a_row, int
     for (int v = 0; v < NV; ++v) bj[v] = load(b + j * ldb + v * kLanes);
     for (int i = 0; i < RI; ++i) {
       const vfloat aij = splat(a[i * a_row + j * a_col]);
-      for (int v = 0; v < NV; ++v) acc[i][v] += aij * bj[v];
+      for (int v = 0; v < NV; ++v) acc[i][v] = fmadd(aij, bj[v], acc[i][v]);
     }
   }
   for (int i = 0; i < RI; ++i)
@@ -206,7 +207,7 @@ inline void online_softmax(float* s, int64_t keys, int64_t mp, float* m, float* 
     }
     const vfloat factor = exp2_nonpositive(old_max - base);
     store(corr + r, factor);
-    store(l + r, load(l + r) * factor + sum);
+    store(l + r, fmadd(load(l + r), factor, sum));
     store(m + r, new_max);
   }
 }

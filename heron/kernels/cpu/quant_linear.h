@@ -9,10 +9,6 @@
 
 #include "simd.h"
 
-#if defined(__AVX2__) || defined(__FMA__)
-#include <immintrin.h>
-#endif
-
 namespace heron_cpu {
 namespace quant {
 
@@ -92,20 +88,6 @@ inline float hsum(vfloat v) {
   return (s[0] + s[2]) + (s[1] + s[3]);
 }
 
-// a * b + c rounded once, spelled out: every path below must round exactly alike, and a
-// plain `a * b + c` is fused or not at the compiler's choice (-ffp-contract), which may
-// differ between two inlined copies of the same expression.
-inline vfloat fmadd(vfloat a, vfloat b, vfloat c) {
-#if defined(__FMA__)
-  return __builtin_bit_cast(vfloat, _mm256_fmadd_ps(__builtin_bit_cast(__m256, a),
-                                                    __builtin_bit_cast(__m256, b),
-                                                    __builtin_bit_cast(__m256, c)));
-#else
-  vfloat r;
-  for (int i = 0; i < kLanes; ++i) r[i] = __builtin_fmaf(a[i], b[i], c[i]);
-  return r;
-#endif
-}
 
 // ---- Batch invariance: one order of arithmetic for every y[m, n] ----
 //

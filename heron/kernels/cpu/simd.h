@@ -4,7 +4,12 @@
 #pragma once
 
 #include <cstdint>
+#include <initializer_list>
 #include <limits>
+
+#if defined(__AVX2__) || defined(__FMA__)
+#include <immintrin.h>
+#endif
 
 namespace heron_cpu {
 
@@ -18,6 +23,21 @@ inline vfloat load(const float* p) { return *reinterpret_cast<const vfloat_u*>(p
 inline void store(float* p, vfloat v) { *reinterpret_cast<vfloat_u*>(p) = v; }
 inline vfloat splat(float x) { return vfloat{x, x, x, x, x, x, x, x}; }
 inline vfloat vmax(vfloat a, vfloat b) { return a > b ? a : b; }
+
+// a * b + c rounded once, spelled out: every kernel path must round a row exactly alike, and a
+// plain `a * b + c` is fused or not at the compiler's choice (-ffp-contract), which may
+// differ between two inlined copies of the same expression.
+inline vfloat fmadd(vfloat a, vfloat b, vfloat c) {
+#if defined(__FMA__)
+  return __builtin_bit_cast(vfloat, _mm256_fmadd_ps(__builtin_bit_cast(__m256, a),
+                                                    __builtin_bit_cast(__m256, b),
+                                                    __builtin_bit_cast(__m256, c)));
+#else
+  vfloat r;
+  for (int i = 0; i < kLanes; ++i) r[i] = __builtin_fmaf(a[i], b[i], c[i]);
+  return r;
+#endif
+}
 
 // Eight consecutive values of T as floats, and back (bfloat16 and half through c10's casts).
 template <typename T>
@@ -78,13 +98,8 @@ inline vfloat exp2_nonpositive(vfloat x) {
   const vfloat n = (clamped + round_magic) - round_magic;
   const vfloat t = (clamped - n) * splat(0.69314718056f);  // f ln 2, |t| <= 0.347
   vfloat p = splat(1.f / 5040);
-  p = p * t + splat(1.f / 720);
-  p = p * t + splat(1.f / 120);
-  p = p * t + splat(1.f / 24);
-  p = p * t + splat(1.f / 6);
-  p = p * t + splat(0.5f);
-  p = p * t + splat(1.f);
-  p = p * t + splat(1.f);
+  for (const float c : {1.f / 720, 1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f})
+    p = fmadd(p, t, splat(c));
   const vint exponent = (__builtin_convertvector(n, vint) + 127) << 23;  // n in [-126, 0]
   const vfloat result = p * __builtin_bit_cast(vfloat, exponent);
   return x < splat(-126.f) ? splat(0.f) : result;
