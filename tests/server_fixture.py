@@ -35,6 +35,20 @@ def make_tiny_served_model(path: Path) -> Path:
     return path
 
 
+def wait_until_answering(url: str, proc: subprocess.Popen, timeout_s: float,
+                         interval_s: float = 0.2) -> bool:
+    """True once GET ``url`` answers 200; False when ``proc`` exits or ``timeout_s`` passes."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            if httpx.get(url, timeout=1).status_code == 200:
+                return True
+        except httpx.HTTPError:
+            pass
+        time.sleep(interval_s)
+    return False
+
+
 class HeronServer:
     def __init__(self, *args: str, startup_timeout: float = 180.0,
                  env: dict[str, str] | None = None) -> None:
@@ -49,16 +63,10 @@ class HeronServer:
         self.log = tempfile.NamedTemporaryFile("w+", prefix="heron-serve-", suffix=".log")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
                                      text=True, env={**os.environ, **(env or {})})
-        deadline = time.monotonic() + startup_timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited: {self.log_tail()}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
+        if wait_until_answering(f"{self.url}/health", self.proc, startup_timeout, 0.5):
+            return
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"server exited: {self.log_tail()}")
         self.stop()
         raise RuntimeError("server did not become healthy in time")
 

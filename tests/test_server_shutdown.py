@@ -28,7 +28,8 @@ from heron.sampling_params import SamplingParams
 from heron.server.failures import classify
 from heron.transport import messages as m
 from heron.transport.async_client import RequestAbortedError
-from server_fixture import HeronServer, free_port, make_tiny_served_model
+from server_fixture import (HeronServer, free_port, make_tiny_served_model,
+                            wait_until_answering)
 
 SLOW_SERVER = Path(__file__).resolve().parent / "slow_engine_server.py"
 STREAM = {"prompt": [1, 2, 3], "max_tokens": 1000, "stream": True}
@@ -49,14 +50,8 @@ class SlowServer:
                 [sys.executable, str(SLOW_SERVER), str(self.port), str(shutdown_timeout),
                  str(self.record_path), *([str(self.release_path)] if hold else [])],
                 stdout=log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and self.proc.poll() is None:
-            try:
-                if httpx.get(f"{self.url}/ready", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
+        if wait_until_answering(f"{self.url}/ready", self.proc, 60, 0.1):
+            return
         self.kill()
         raise RuntimeError(f"slow server did not start: {self.log()}")
 
