@@ -79,12 +79,15 @@ class DrainingServer(uvicorn.Server):
 
     async def shutdown(self, sockets=None) -> None:
         self.heron_state.draining = True
+        logger.info("shutting down: new requests get 503; in-flight ones get up to %g s "
+                    "(--shutdown-timeout)", self.grace_s)
         try:
             await self._drain()
             await self.client.shutdown()  # still answering 503 while the engine stops
         except Exception:  # noqa: BLE001 - the listener must close and the process exit
             logger.exception("draining failed")
         await super().shutdown(sockets)
+        logger.info("heron serve stopped")
 
     async def _drain(self) -> None:
         open_ = self.in_flight.count
