@@ -140,6 +140,17 @@ def test_bad_values_fail_before_the_engine_starts(flags, message):
     assert message in str(err.value)
 
 
+@pytest.mark.parametrize("flags,message", [
+    ("--shutdown-timeout -1", "must be zero or more seconds"),
+    ("--shutdown-timeout inf", "must be zero or more seconds"),
+    ("--request-body-timeout soon", "is not a number of seconds"),
+])
+def test_durations_are_checked(flags, message, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        parse(f"vllm serve m {flags}")
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
 def test_help_reads_prefix_caching_the_right_way_round():
     serve_help = build_parser()._subparsers._group_actions[0].choices["serve"].format_help()
     assert "--enable-prefix-caching, --no-enable-prefix-caching" in serve_help

@@ -12,7 +12,7 @@ import logging
 
 from heron.cli_help import HelpFormatter
 from heron.entrypoints.cli import parallel_config, speculative_config
-from heron.entrypoints.serve_options import json_object, load_format, string_list
+from heron.entrypoints.serve_options import json_object, load_format, seconds, string_list
 from heron.entrypoints.vllm_flags import add_vllm_flags
 
 logger = logging.getLogger("heron.entrypoints")
@@ -61,12 +61,14 @@ def _server_args(serve: argparse.ArgumentParser) -> None:
                    help="a request with more sequences (prompts x n) gets 400")
     g.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024,
                    help="a request body over this many bytes gets 413")
-    g.add_argument("--request-body-timeout", type=float, default=30.0, metavar="SECONDS",
+    g.add_argument("--request-body-timeout", type=seconds, default=30.0,
+                   metavar="SECONDS",
                    help="a request body still arriving this long after its headers gets 408")
     g.add_argument("--cost-per-gpu-hour", type=float, default=None,
                    help="publish heron:cost_per_million_tokens_dollars (default: not "
                         "published)")
-    g.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="SECONDS",
+    g.add_argument("--shutdown-timeout", type=seconds, default=30.0,
+                   metavar="SECONDS",
                    help="after SIGTERM, in-flight requests get this long to finish (new ones "
                         "503), then are aborted: streams end with an error event, others 503")
     g.add_argument("--kv-events-endpoint", default=None, metavar="ADDR",

@@ -37,6 +37,18 @@ def string_list(text: str) -> list[str]:
     return [part.strip() for part in text.split(",") if part.strip()]
 
 
+def seconds(text: str) -> float:
+    """A duration in seconds: a finite number, zero or more (``--shutdown-timeout 0`` aborts
+    at once, as vLLM's default)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r}: must be zero or more seconds")
+    return value
+
+
 LOAD_FORMATS = {"auto": "auto", "safetensors": "auto", "gguf": "auto", "dummy": "dummy"}
 
 
