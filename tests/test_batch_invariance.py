@@ -106,26 +106,31 @@ def test_float_cpu_gemm_is_batch_invariant_when_asked(monkeypatch):
     _assert_rows_invariant(gemm, 576)
 
 
-def test_attention_row_is_the_same_however_its_chunk_was_cut():
+@pytest.mark.parametrize("window", [0, 50, 100])
+def test_attention_row_is_the_same_however_its_chunk_was_cut(window):
     """Paged attention of a position alone (a decode, or a one-token chunk after a prefix-cache
     hit) equals that position's row inside a longer chunk, and inside a mixed batch, bit for
-    bit: the chunking of a prompt depends on the other requests of a step (shared token
-    budget, prefix hits), so it must not reach the result."""
+    bit, with or without a sliding window: the chunking of a prompt depends on the other
+    requests of a step (shared token budget, prefix hits), so it must not reach the result."""
     from heron.kernels import cases
 
-    seq_len, q_len = 150, 40  # the chunk: positions 110 .. 149
-    case = cases.attention_case([q_len], [seq_len], 3, 3, 64, 16, torch.float32, seed=4)
+    seq_len, q_len = 150, 100  # the chunk: positions 50 .. 149 (two query tiles)
+    case = cases.attention_case([q_len], [seq_len], 3, 3, 64, 16, torch.float32, seed=4,
+                                sliding_window=window or None)
     starts, lens, tables = case.device_tensors()
     attend = torch.ops.heron_cpu.paged_attention
-    whole = attend(case.q, case.key_cache, case.value_cache, tables, lens, starts, case.scale, 0)
-    for cut in ([1] * 3 + [37], [1, 39], [17, 1, 22], [39, 1]):  # one-token chunks among others
+    whole = attend(case.q, case.key_cache, case.value_cache, tables, lens, starts, case.scale,
+                   window)
+    for cut in ([1] * 3 + [97], [1, 99], [17, 1, 82], [99, 1], [30, 31, 39]):
         pos, rows = seq_len - q_len, []
         for n in cut:
             q = case.q[pos - (seq_len - q_len):][:n]
             pos += n
             rows.append(attend(q, case.key_cache, case.value_cache, tables,
-                               torch.tensor([pos]), torch.tensor([0, n]), case.scale, 0))
+                               torch.tensor([pos]), torch.tensor([0, n]), case.scale, window))
         assert torch.equal(torch.cat(rows), whole), f"chunks {cut}"
+    if window:
+        return
     # the same chunk as one request of a mixed step: decodes and prompts of other requests
     mixed = cases.attention_case([1, q_len, 7, 1], [90, seq_len, 30, 5], 3, 3, 64, 16,
                                  torch.float32, seed=4)

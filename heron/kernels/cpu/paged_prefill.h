@@ -254,8 +254,11 @@ void attend_tile(const PagedHead<T>& kv, const T* q, int64_t q_token_stride, T* 
   std::fill(ws.ot.begin(), ws.ot.begin() + head_dim * mp, 0.f);
 
   // Only keys some query of the tile can see: none past the last query (causal), none
-  // before the first query's window; pages outside are never read.
-  const int64_t lo = window > 0 ? std::max<int64_t>(0, first_pos - window + 1) : 0;
+  // before the key step holding the first query's window start. Key steps sit on a fixed
+  // grid (multiples of kKeyTile), whatever the tile: a row's online softmax then meets the
+  // same steps however its chunk was cut and tiled (steps it cannot see leave it unchanged).
+  const int64_t lo =
+      window > 0 ? std::max<int64_t>(0, first_pos - window + 1) / kKeyTile * kKeyTile : 0;
   for (int64_t first = lo; first <= last_pos; first += kKeyTile) {
     const int64_t count = std::min(kKeyTile, last_pos - first + 1);
     load_kv(kv, kv.key_cache, first, count, ws.kf.data());
