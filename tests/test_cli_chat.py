@@ -48,7 +48,16 @@ class Terminal:
                 if not chunk:
                     break
                 self.seen += chunk
-        raise AssertionError(f"{pattern!r} not seen; last output: {self.seen[-1500:]!r}")
+        raise AssertionError(f"{pattern!r} not seen ({self.status()}); last output: "
+                             f"{self.seen[-1500:]!r}")
+
+    def status(self) -> str:
+        """'running', or how the child ended (for failure messages)."""
+        try:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+        except ChildProcessError:
+            return "already reaped"
+        return f"exited with {os.waitstatus_to_exitcode(status)}" if pid else "running"
 
     def send(self, data: bytes) -> None:
         os.write(self.fd, data)
@@ -119,7 +128,9 @@ def test_ctrl_c_stops_the_reply_and_the_chat_goes_on(chat):
 
 def test_prompt_keys_and_commands(chat):
     chat.expect(rb"you> ", timeout=240)
-    chat.send(b"half a line" + CTRL_C)  # clears the line: nothing is sent
+    chat.send(b"half a line")
+    chat.expect(rb"half a line")  # echoed: the line is in readline's buffer, not the tty's
+    chat.send(CTRL_C)  # clears the line: nothing is sent
     chat.expect(rb"you> ")
     chat.send(b"/help\r")
     for command in (b"/help", b"/reset", b"/stats", b"/exit"):
