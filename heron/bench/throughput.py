@@ -17,7 +17,7 @@ from heron.bench.machine import machine_info
 from heron.bench.results import emit
 from heron.bench.table import format_table
 from heron.bench.workloads import Sample, build_workload
-from heron.engine.spec_stats import SpecDecodingStats
+from heron.speculative.stats import SpecDecodingStats
 
 logger = logging.getLogger(__name__)
 

@@ -53,7 +53,7 @@ from heron.engine.kv_cache import KVCacheManager
 from heron.engine.prefix_cache import CacheNode
 from heron.engine.request import Request, RequestStatus
 from heron.engine.sequence_deltas import sequence_delta
-from heron.engine.spec_stats import SpecDecodingStats
+from heron.speculative.stats import SpecDecodingStats
 from heron.sampling_params import params_to_dict
 from heron.worker.step import ModelRunnerOutput, NewRequest, SchedulerOutput, num_rejected
 

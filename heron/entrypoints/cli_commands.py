@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass
 
 from heron.engine.detokenizer import stream_safe_end
-from heron.engine.spec_stats import SpecDecodingStats
+from heron.speculative.stats import SpecDecodingStats
 from heron.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)

@@ -14,7 +14,7 @@ from typing import Callable, Iterable, Optional
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from heron.engine.spec_stats import SpecDecodingStats
+from heron.speculative.stats import SpecDecodingStats
 from prometheus_client.exposition import choose_encoder
 
 # 1 ms .. 160 s: covers a fast decode step up to a long queued generation.
