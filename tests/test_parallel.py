@@ -184,7 +184,8 @@ def test_two_nodes_on_one_host(tmp_path):
 
 
 def test_master_address_comes_from_the_environment_unless_given(monkeypatch):
-    from heron.entrypoints.cli import build_parser, parallel_config
+    from heron.entrypoints.cli import build_parser
+    from heron.entrypoints.engine_args import parallel_config
 
     monkeypatch.setenv("MASTER_ADDR", "10.0.0.5")
     monkeypatch.setenv("MASTER_PORT", "29600")

@@ -105,9 +105,3 @@ def generate(llm, prompts: list[str], params: SamplingParams, chat: bool) -> int
     if (line := spec_decode_line(llm)) is not None:
         logger.info("%s", line)  # stderr (the log), never stdout
     return 0
-
-
-def chat(llm, params: SamplingParams, system: str | None) -> int:
-    from heron.entrypoints.chat_session import ChatSession
-
-    return ChatSession(llm, params, system).run()

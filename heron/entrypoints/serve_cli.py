@@ -11,7 +11,7 @@ import argparse
 import logging
 
 from heron.cli_help import HelpFormatter
-from heron.entrypoints.cli import parallel_config, speculative_config
+from heron.entrypoints.engine_args import parallel_config, speculative_config
 from heron.entrypoints.serve_options import json_object, load_format, seconds, string_list
 from heron.entrypoints.vllm_flags import add_vllm_flags
 

@@ -7,6 +7,7 @@ parallelism). vLLM's names (``--distributed-executor-backend``).
 
 from __future__ import annotations
 
-from heron.executor.base import EXECUTOR_BACKENDS, Executor, make_executor
+from heron.executor.base import EXECUTOR_BACKENDS, Executor
+from heron.executor.factory import make_executor
 
 __all__ = ["EXECUTOR_BACKENDS", "Executor", "make_executor"]

@@ -5,7 +5,6 @@ from __future__ import annotations
 import abc
 import collections
 
-from heron.config import EngineConfig
 from heron.worker.step import ModelRunnerOutput, SchedulerOutput, WorkerInfo
 
 EXECUTOR_BACKENDS = ("uni", "mp")
@@ -46,12 +45,3 @@ class Executor(abc.ABC):
     def shutdown(self) -> None:
         """Release the workers; idempotent."""
 
-
-def make_executor(config: EngineConfig) -> Executor:
-    if config.executor_backend == "mp":
-        from heron.executor.multiproc import MultiprocExecutor
-
-        return MultiprocExecutor(config)
-    from heron.executor.uniproc import UniprocExecutor
-
-    return UniprocExecutor(config)
