@@ -11,7 +11,7 @@ import importlib
 __version__ = "0.1.0"
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "__version__"]
 
-_EXPORTS = {"LLM": "heron.entrypoints.llm", "SamplingParams": "heron.sampling_params",
+_EXPORTS = {"LLM": "heron.engine.llm", "SamplingParams": "heron.sampling_params",
             "RequestOutput": "heron.outputs", "CompletionOutput": "heron.outputs"}
 
 
