@@ -13,7 +13,7 @@ from heron.engine.isolation import EngineFault, run_isolating
 from heron.engine.kv_cache import KVCacheManager
 from heron.engine.output_processor import OutputProcessor
 from heron.engine.scheduler import Scheduler
-from heron.worker import sampler as sampler_module
+from heron.sample import processing, sampler as sampler_module
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 PROMPTS = [[5, 6, 7, 8, 9] * 4, [11, 12, 13] * 7, [20 + i for i in range(30)], [3, 1, 4, 1, 5]]
@@ -55,8 +55,8 @@ def _raise_for_poison(original, requests_of):
 
 
 def test_sampler_failure_fails_only_its_request(llm, clean, monkeypatch):
-    monkeypatch.setattr(sampler_module, "_mask_min_tokens", _raise_for_poison(
-        sampler_module._mask_min_tokens, lambda logits, requests: requests))
+    monkeypatch.setattr(processing, "_mask_min_tokens", _raise_for_poison(
+        processing._mask_min_tokens, lambda logits, requests: requests))
     bad, others = _run_with_poison(llm, SamplingParams(temperature=0, max_tokens=10,
                                                        ignore_eos=True, min_tokens=1))
     assert bad.finished and bad.outputs[0].finish_reason == "error"
@@ -103,8 +103,8 @@ def test_scheduler_failure_fails_only_its_request(llm, clean, monkeypatch):
 
 
 def test_n_siblings_fail_together(llm, clean, monkeypatch):
-    monkeypatch.setattr(sampler_module, "_mask_min_tokens", _raise_for_poison(
-        sampler_module._mask_min_tokens, lambda logits, requests: requests))
+    monkeypatch.setattr(processing, "_mask_min_tokens", _raise_for_poison(
+        processing._mask_min_tokens, lambda logits, requests: requests))
     params = SamplingParams(n=3, temperature=0.8, seed=1, max_tokens=6, min_tokens=1)
     out = llm.generate([[1, POISON, 3]], params)[0]
     assert [c.finish_reason for c in out.outputs] == ["error"] * 3

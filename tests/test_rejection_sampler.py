@@ -18,7 +18,7 @@ from heron.sampling_params import SamplingParams
 from heron.worker import rejection_sampler
 from heron.worker.input_batch import SequenceState
 from heron.worker.rejection_sampler import verify
-from heron.worker.sampler import Sampler
+from heron.sample.sampler import Sampler
 
 FALSE_ALARM = 1e-6
 VOCAB = 6

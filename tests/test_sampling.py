@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from heron import SamplingParams
+from heron.sample.processing import _apply_penalties
+from heron.sample.sampler import Sampler
 from heron.worker.input_batch import SequenceState
-from heron.worker.sampler import Sampler, _apply_penalties
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 POEM = [{"role": "user", "content": "Write a short poem about the sea."}]

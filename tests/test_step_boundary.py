@@ -19,7 +19,7 @@ from heron.errors import EngineFault
 from heron.worker.step import ModelRunnerOutput
 
 WORKER_MODULES = ["heron.worker.worker", "heron.worker.model_runner", "heron.worker.input_batch",
-                  "heron.worker.sampler", "heron.worker.step", "heron.worker.cuda_graphs",
+                  "heron.sample.sampler", "heron.worker.step", "heron.worker.cuda_graphs",
                   "heron.executor.uniproc", "heron.executor.multiproc",
                   "heron.executor.worker_process", "heron.worker.drafter",
                   "heron.worker.proposers", "heron.worker.rejection_sampler",

@@ -15,13 +15,14 @@ from heron.config import fault_injection_token
 from heron.distributed import get_pp_group, get_tp_group
 from heron.distributed.pipeline import IntermediateTensors
 from heron.layers.rotary import RotaryEmbedding
+from heron.sample.logprobs import top_logprobs
+from heron.sample.sampler import Sampler
 from heron.worker.batch import HostBatch, to_device
 from heron.worker.cuda_graphs import DecodeGraphRunner
 from heron.worker.drafter import StepView
 from heron.worker.input_batch import InputBatch, SequenceState
 from heron.worker.rejection_sampler import verify
 from heron.worker.tree_verify import verify_tree
-from heron.worker.sampler import Sampler, top_logprobs
 from heron.worker.step import ModelRunnerOutput, SchedulerOutput, num_rejected
 
 logger = logging.getLogger(__name__)

@@ -26,7 +26,10 @@ import torch
 
 from heron.outputs import PositionLogprobs
 from heron.worker.input_batch import SequenceState
-from heron.worker.sampler import _draw, _filter, process_logits, top_logprobs
+from heron.sample.draw import draw
+from heron.sample.filters import sampling_probs
+from heron.sample.logprobs import top_logprobs
+from heron.sample.processing import process_logits
 
 
 @dataclass
@@ -99,7 +102,7 @@ def _verify_sampled(logits, rows, states, drafts, starts, sampling, generator, d
                     tokens) -> None:
     """Rejection sampling for the sampling sequences; writes their ``tokens``."""
     row_idx = [r for i in sampling for r in range(starts[i], starts[i + 1])]
-    probs = _filter(logits[row_idx], [rows[r] for r in row_idx])  # (Rs, V)
+    probs = sampling_probs(logits[row_idx], [rows[r] for r in row_idx])  # (Rs, V)
     local, n = {}, 0  # sequence -> its first row in probs
     for i in sampling:
         local[i], n = n, n + len(drafts[i]) + 1
@@ -127,7 +130,7 @@ def _verify_sampled(logits, rows, states, drafts, starts, sampling, generator, d
             dist[n] = _residual(dist[n], drafts[i][a],
                                 None if draft_probs is None or draft_probs[i] is None
                                 else draft_probs[i][a].to(dist.device, dist.dtype))
-    drawn = _draw(dist, [states[i] for i, _ in finals], generator).tolist()
+    drawn = draw(dist, [states[i] for i, _ in finals], generator).tolist()
     for (i, a), token in zip(finals, drawn):
         tokens[i] = drafts[i][:a] + [token]
 

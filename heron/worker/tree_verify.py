@@ -21,7 +21,10 @@ from heron.outputs import PositionLogprobs
 from heron.spec.tree import DraftTree
 from heron.worker.input_batch import SequenceState
 from heron.worker.rejection_sampler import _DraftRow
-from heron.worker.sampler import _draw, _filter, process_logits, top_logprobs
+from heron.sample.draw import draw
+from heron.sample.filters import sampling_probs
+from heron.sample.logprobs import top_logprobs
+from heron.sample.processing import process_logits
 
 
 @dataclass
@@ -46,7 +49,7 @@ def verify_tree(logits: torch.Tensor, states: list[SequenceState], drafts: list[
     targets = logits.argmax(-1).tolist()
     probs = None
     if any(not s.params.greedy for s in states):
-        probs = _filter(logits, rows).cpu()  # (R, V) every row: rows are few per sequence
+        probs = sampling_probs(logits, rows).cpu()  # (R, V) every row: rows are few per sequence
     tokens, paths, logprobs = [], [], []
     for i, state in enumerate(states):
         walk = _walk_greedy if state.params.greedy else _walk_sampled
@@ -104,8 +107,8 @@ def _walk_sampled(start, nodes, children, targets, probs, state, generator):
                 break  # the children held all the mass (rounding): draw from what is left
             p /= total
         if accepted is None:
-            # residual (or, at a leaf, p itself); _draw uses the state's own generator if seeded
-            emitted.append(int(_draw(p.unsqueeze(0).to(generator.device), [state],
+            # residual (or, at a leaf, p itself); draw uses the state's own generator if seeded
+            emitted.append(int(draw(p.unsqueeze(0).to(generator.device), [state],
                                      generator)[0]))
             return path, chosen_at, emitted
         emitted.append(nodes[accepted])
