@@ -4,27 +4,40 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-_DTYPES = {
-    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+# dtype names a user may give -> torch's name for it. The config keeps the name; torch is
+# imported only where a dtype is resolved (``parse_dtype``), so the API process stays torch-free.
+_DTYPE_NAMES = {
+    "float32": "float32", "fp32": "float32", "float": "float32",
+    "bfloat16": "bfloat16", "bf16": "bfloat16",
+    "float16": "float16", "fp16": "float16", "half": "float16",
 }
+_CHOICES = "choose one of float32, bfloat16, float16"
+
+
+def canonical_dtype(name: str | torch.dtype) -> str:
+    """torch's name (``float32``, ``bfloat16``, ``float16``) of a user-facing dtype name or
+    of a torch dtype; a clear ValueError for anything else. Needs no torch."""
+    if not isinstance(name, str):  # a torch.dtype: str() is "torch.float16"
+        canonical = str(name).removeprefix("torch.")
+        if canonical not in _DTYPE_NAMES.values():
+            raise ValueError(f"unsupported dtype {name}; {_CHOICES}")
+        return canonical
+    try:
+        return _DTYPE_NAMES[name.lower()]
+    except KeyError:
+        raise ValueError(f"unsupported dtype {name!r}; {_CHOICES}") from None
 
 
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:
     """Map a user-facing dtype name onto a torch dtype, or raise a clear ValueError."""
-    if isinstance(name, torch.dtype):
-        if name in _DTYPES.values():
-            return name
-        raise ValueError(f"unsupported dtype {name}; choose one of float32, bfloat16, float16")
-    try:
-        return _DTYPES[name.lower()]
-    except KeyError:
-        raise ValueError(
-            f"unsupported dtype {name!r}; choose one of float32, bfloat16, float16") from None
+    import torch
+
+    return getattr(torch, canonical_dtype(name))
 
 
 @dataclass(frozen=True)
@@ -241,7 +254,7 @@ class EngineConfig:
     tokenizer: str | None = None  # a tokenizer directory other than the model's (--tokenizer)
 
     def __post_init__(self) -> None:
-        parse_dtype(self.dtype)
+        canonical_dtype(self.dtype)  # the name is checked now, resolved by the worker
         if self.speculative is not None and self.parallel.world_size > 1:
             raise ValueError("speculative decoding runs on one rank for now (tensor x "
                              "pipeline parallel size 1)")
@@ -258,6 +271,7 @@ class EngineConfig:
 
     @property
     def torch_dtype(self) -> torch.dtype:
+        """``dtype`` as a torch dtype (imports torch: for the engine's side only)."""
         return parse_dtype(self.dtype)
 
     @property

@@ -1,4 +1,4 @@
-"""Errors shared across layers (the engine core, executors, workers)."""
+"""Errors shared across layers (the engine core, executors, workers, the engine client)."""
 
 from __future__ import annotations
 
@@ -24,3 +24,18 @@ class EngineStartupError(RuntimeError):
         if sep and name.replace(".", "").replace("_", "").isalnum() and " " not in name:
             return cls(message, name.rsplit(".", 1)[-1])
         return cls(detail)
+
+
+# ---- the engine client's errors (the API process raises them per request) ------------------
+class EngineDeadError(RuntimeError):
+    """The engine-core process is gone (crashed, killed, frozen or shut down)."""
+
+
+class RequestFailedError(RuntimeError):
+    """The engine failed this request while processing it (finish_reason "error"); the
+    engine itself goes on serving the others."""
+
+
+class RequestAbortedError(RuntimeError):
+    """The server ended this request before it finished (``abort_all``: shutting down and its
+    grace period ran out); the engine was told to abort it and frees its KV blocks."""

@@ -10,7 +10,7 @@ from heron.config import EngineConfig
 from heron.engine.core import EngineCore
 from heron.engine.core_outputs import RequestOutputKind
 from heron.engine.output_processor import OutputProcessor
-from heron.loader.model_source import load_tokenizer
+from heron.tokenizer import load_tokenizer
 from heron.logging_config import startup_phase
 from heron.outputs import RequestOutput
 from heron.sampling_params import SamplingParams

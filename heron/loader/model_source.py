@@ -38,15 +38,6 @@ class ModelSource:
         return self.quantized_weights is not None
 
 
-def load_tokenizer(tokenizer_dir: str | Path | None):
-    """The HF tokenizer saved in ``tokenizer_dir`` (None for models without one)."""
-    if tokenizer_dir is None:
-        return None
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(tokenizer_dir))
-
-
 def _read_json(path: Path) -> dict:
     return json.loads(path.read_text()) if path.is_file() else {}
 

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import re
 
-from heron.transport.async_client import EngineDeadError, RequestAbortedError, \
-    RequestFailedError
+from heron.errors import EngineDeadError, RequestAbortedError, RequestFailedError
 from heron.server.errors import INVALID_REQUEST
 
 # What the handlers answer for: the engine refused the request (ValueError), failed it while

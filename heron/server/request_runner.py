@@ -17,7 +17,7 @@ from heron.engine.core_outputs import RequestOutputKind
 from heron.outputs import OutputAccumulator, RequestOutput
 from heron.sampling_params import SamplingParams
 from heron.server.errors import RequestValidationError
-from heron.transport.async_client import EngineDeadError, RequestFailedError
+from heron.errors import EngineDeadError, RequestFailedError
 
 DISCONNECT_POLL_S = 0.25
 logger = logging.getLogger("heron.server.requests")

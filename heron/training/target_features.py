@@ -15,7 +15,8 @@ import torch
 from torch import nn
 
 from heron.attention.metadata import forward_context
-from heron.loader.model_source import ModelSource, load_tokenizer, resolve_model
+from heron.loader.model_source import ModelSource, resolve_model
+from heron.tokenizer import load_tokenizer
 from heron.loader.weights import build_model, materialize_weights, optimize_layout
 from heron.models import ModelArchConfig
 from heron.training.prefill_context import prefill_context

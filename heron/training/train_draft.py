@@ -42,7 +42,8 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 
-from heron.loader.model_source import load_tokenizer, resolve_model
+from heron.loader.model_source import resolve_model
+from heron.tokenizer import load_tokenizer
 from heron.training.draft_data import DraftSequence, load_sequences
 from heron.spec.eagle_head import EagleHead, build_eagle_head, init_from_target
 from heron.spec.eagle_checkpoint import save_eagle_head

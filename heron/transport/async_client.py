@@ -29,10 +29,11 @@ import zmq
 import zmq.asyncio
 
 from heron.config import EngineConfig
-from heron.errors import EngineStartupError
+from heron.errors import EngineDeadError, EngineStartupError, RequestAbortedError, \
+    RequestFailedError
 from heron.transport import messages as m
 from heron.transport.core_process import run_engine_core
-from heron.loader.model_source import load_tokenizer
+from heron.tokenizer import load_tokenizer
 from heron.logging_config import startup_phase
 from heron.engine.core_outputs import RequestOutputKind
 from heron.engine.output_processor import OutputProcessor
@@ -43,20 +44,6 @@ logger = logging.getLogger(__name__)
 
 POLL_MS = 200  # the reader checks that the core is alive at least this often
 HEARTBEAT_TIMEOUT_S = 5.0  # silence from the core (no heartbeat, no output) that means dead
-
-
-class EngineDeadError(RuntimeError):
-    """The engine-core process is gone (crashed, killed, frozen or shut down)."""
-
-
-class RequestFailedError(RuntimeError):
-    """The engine failed this request while processing it (finish_reason "error"); the
-    engine itself goes on serving the others."""
-
-
-class RequestAbortedError(RuntimeError):
-    """The server ended this request before it finished (``abort_all``: shutting down and its
-    grace period ran out); the engine was told to abort it and frees its KV blocks."""
 
 
 class AsyncEngineClient:
