@@ -88,8 +88,6 @@ def test_abort_frees_blocks(smollm2):
 
 
 def test_prompt_that_can_never_fit_is_rejected(tmp_path):
-    import sys
-    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
     from hf_reference import make_tiny_model
 
     make_tiny_model("llama", tmp_path)

@@ -6,7 +6,7 @@ The model is simulated by a fake KV store: computing position ``p`` of a request
 tuple of its tokens ``[0, p]`` into that slot (the KV of a token depends on everything before
 it). A request may then only ever read slots holding exactly its own prefixes, which checks
 that every cache hit hands out the right KV, and writes may only land in private blocks.
-Steps run as ``EngineCore.step`` drives them (``tests/scheduler_steps.py``): ``schedule()``,
+Steps run as ``EngineCore.step`` drives them (``tests/helpers/scheduler_steps.py``): ``schedule()``,
 the fake computation of every scheduled chunk, then ``update_from_output()`` with one fake
 token for each sequence whose step samples (it appends the token and applies the length stop).
 """

@@ -31,7 +31,7 @@ from heron.transport.async_client import RequestAbortedError
 from server_fixture import (HeronServer, free_port, make_tiny_served_model,
                             wait_until_answering)
 
-SLOW_SERVER = Path(__file__).resolve().parent / "slow_engine_server.py"
+SLOW_SERVER = Path(__file__).resolve().parents[1] / "helpers" / "slow_engine_server.py"
 STREAM = {"prompt": [1, 2, 3], "max_tokens": 1000, "stream": True}
 PLAIN = {"prompt": [1, 2, 3], "max_tokens": 1000}
 

@@ -27,7 +27,7 @@ import torch
 
 pytestmark = pytest.mark.reference_tools
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "benchmarks" / "quant_reference" / "make_checkpoints.py"
 DEFAULT_TOOL_PYTHON = REPO / ".venv" / "peers" / "quant" / "bin" / "python"
 # AutoAWQ is not among them: where it does not import, GPTQModel's AWQ exporter stands in

@@ -1,6 +1,6 @@
 """Invariants of the paged KV cache and the scheduler, driven without a model.
 
-The engine loop is simulated as ``EngineCore.step`` drives it (``tests/scheduler_steps.py``):
+The engine loop is simulated as ``EngineCore.step`` drives it (``tests/helpers/scheduler_steps.py``):
 ``schedule()`` returns the plain-data step, a fake worker (the model would run here) returns
 one fake token for every scheduled sequence whose step ``samples`` (decided before the
 update), and ``update_from_output()`` applies it: progress, the appended token and the length

@@ -4,7 +4,7 @@ engine that generates one token per request every ``TOKEN_INTERVAL_S`` up to its
 than any grace period the tests give it, unless its client leaves or the server aborts it.
 
 Run as a script (the shutdown tests send it signals):
-    python tests/slow_engine_server.py PORT SHUTDOWN_TIMEOUT RECORD_PATH [RELEASE_PATH]
+    python tests/helpers/slow_engine_server.py PORT SHUTDOWN_TIMEOUT RECORD_PATH [RELEASE_PATH]
 At exit it writes RECORD_PATH (JSON): the request ids the fake core was sent
 (``added``), those it was told to abort (``aborted``), and whether it was shut down. With
 RELEASE_PATH, stopping the fake core waits until that file exists (at most 60 s): the test
