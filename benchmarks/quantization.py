@@ -30,7 +30,7 @@ DECODE_PROMPT = "Write a short story about a lighthouse keeper who finds a messa
 
 
 def held_out_chunks(tokenizer, num_chunks: int, chunk_len: int) -> list[list[int]]:
-    from heron.quant.calibration import held_out_text
+    from heron.quantizer.calibration import held_out_text
 
     ids = tokenizer(held_out_text(), add_special_tokens=False)["input_ids"]
     stride = max(chunk_len, (len(ids) - chunk_len) // max(1, num_chunks - 1))

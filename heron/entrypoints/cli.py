@@ -95,7 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
     from heron.training.train_cli import add_parser as add_train_draft_parser
 
     add_train_draft_parser(sub)
-    from heron.quant.quantize_cli import add_parser as add_quantize_parser
+    from heron.quantizer.cli import add_parser as add_quantize_parser
     add_quantize_parser(sub)
     return parser
 

@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from heron.quant.gptq import HessianAccumulator
-from heron.quant.intgrid import rtn_quantize
+from heron.quantizer.gptq_solver import HessianAccumulator
+from heron.quantizer.intgrid import rtn_quantize
 
 
 class InputStats(HessianAccumulator):

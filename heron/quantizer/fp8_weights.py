@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from heron.quant.intgrid import ScaledQuant, round_scale
+from heron.quantizer.intgrid import ScaledQuant, round_scale
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448

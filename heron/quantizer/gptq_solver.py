@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from heron.quant.intgrid import IntQuant, dequant_grid, gptq_grid, num_groups, round_to_grid
+from heron.quantizer.intgrid import IntQuant, dequant_grid, gptq_grid, num_groups, round_to_grid
 
 
 class HessianAccumulator:

@@ -17,13 +17,13 @@ from pathlib import Path
 
 import torch
 
-from heron.quant import awq as awq_mod
-from heron.quant import sequential as seq
-from heron.quant import writers
-from heron.quant.fp8 import fp8_quantize
-from heron.quant.gptq import HessianAccumulator, gptq_quantize
-from heron.quant.intgrid import rtn_quantize
-from heron.quant.smoothquant import AbsMax, int8_channel_quantize, smooth_scales
+from heron.quantizer import awq_search
+from heron.quantizer import sequential as seq
+from heron.quantizer import writers
+from heron.quantizer.fp8_weights import fp8_quantize
+from heron.quantizer.gptq_solver import HessianAccumulator, gptq_quantize
+from heron.quantizer.intgrid import rtn_quantize
+from heron.quantizer.smoothquant import AbsMax, int8_channel_quantize, smooth_scales
 
 METHODS = ("gptq", "awq", "smoothquant", "fp8")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -113,20 +113,20 @@ def _can_fold(g) -> bool:
 
 
 def _awq_layer(layer, groups, states, opts, records, names, log) -> None:
-    stats = {id(g): awq_mod.InputStats(g.in_features) for g in groups}
+    stats = {id(g): awq_search.InputStats(g.in_features) for g in groups}
     seq.collect(layer, states, {g.linears[0]: stats[id(g)].add for g in groups})
     found = []
     for g in groups:  # all searches on the unscaled layer, then all folds (as AutoAWQ)
         if _can_fold(g):
             st = stats[id(g)]
-            found.append((g, awq_mod.search_scales(st.xtx, st.mean_abs,
-                                                   [lin.weight for lin in g.linears],
-                                                   4, opts.group_size)))
+            found.append((g, awq_search.search_scales(st.xtx, st.mean_abs,
+                                                      [lin.weight for lin in g.linears],
+                                                      4, opts.group_size)))
     for g, res in found:
         if isinstance(g.prev, torch.nn.Linear):
-            awq_mod.fold_into_linear(g.prev, g.linears, res.scales)
+            awq_search.fold_into_linear(g.prev, g.linears, res.scales)
         else:
-            awq_mod.fold_into_norm(g.prev, g.linears, res.scales)
+            awq_search.fold_into_norm(g.prev, g.linears, res.scales)
     log("    awq alphas: " + " ".join(f"{'/'.join(n.split('.')[-1] for n in g.names)}="
                                       f"{res.alpha:.2f}" for g, res in found))
     for g in groups:
@@ -142,7 +142,7 @@ def _smoothquant_layer(layer, groups, states, opts, records, names, log) -> None
     seq.collect(layer, states, {g.linears[0]: stats[id(g)].add for g in norm_groups})
     for g in norm_groups:
         s = smooth_scales(stats[id(g)].value, [lin.weight for lin in g.linears], opts.alpha)
-        awq_mod.fold_into_norm(g.prev, g.linears, s)
+        awq_search.fold_into_norm(g.prev, g.linears, s)
     scale_dtype = DTYPES[opts.dtype]
     for g in groups:
         for lin in g.linears:
@@ -262,7 +262,7 @@ def format_of(opts: QuantizeOptions, records: dict) -> tuple[dict, dict, dict]:
 
 def quantize(model: str | None, out: str | Path, opts: QuantizeOptions, log=print) -> dict:
     """Load, calibrate, quantize, write ``out``; returns a summary."""
-    from heron.quant.calibration import calibration_samples
+    from heron.quantizer.calibration import calibration_samples
 
     opts.check()
     t0 = time.perf_counter()

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from heron.quant.intgrid import ScaledQuant, round_scale
+from heron.quantizer.intgrid import ScaledQuant, round_scale
 
 
 class AbsMax:

@@ -22,8 +22,8 @@ from pathlib import Path
 
 import torch
 
-from heron.quant.intgrid import IntQuant, ScaledQuant
 from heron.quant.packing import AWQ_ORDER, pack_int32, unpack_int32
+from heron.quantizer.intgrid import IntQuant, ScaledQuant
 
 IGNORE = ["lm_head"]  # never quantized: the LM head (and the embeddings, not a Linear)
 

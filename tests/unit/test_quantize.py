@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from heron.quant import awq, writers
-from heron.quant.fp8 import FP8_DTYPE, fp8_quantize
-from heron.quant.gptq import HessianAccumulator, gptq_quantize
-from heron.quant.intgrid import rtn_quantize
-from heron.quant.quantize import QuantizeOptions, format_of, quantize_model
-from heron.quant.smoothquant import AbsMax, int8_channel_quantize, smooth_scales
+from heron.quantizer import awq_search, writers
+from heron.quantizer.fp8_weights import FP8_DTYPE, fp8_quantize
+from heron.quantizer.gptq_solver import HessianAccumulator, gptq_quantize
+from heron.quantizer.intgrid import rtn_quantize
+from heron.quantizer.quantize import QuantizeOptions, format_of, quantize_model
+from heron.quantizer.smoothquant import AbsMax, int8_channel_quantize, smooth_scales
 
 HIDDEN, INTER, VOCAB = 64, 128, 256
 
@@ -115,19 +115,19 @@ def test_awq_search_lowers_error_vs_alpha_zero():
     x[:, 10:14] *= 15.0
     g = torch.Generator().manual_seed(3)
     ws = [torch.randn(64, k, generator=g) * 0.02, torch.randn(32, k, generator=g) * 0.02]
-    st = awq.InputStats(k)
+    st = awq_search.InputStats(k)
     for chunk in x.split(100):
         st.add(chunk)
     torch.testing.assert_close(st.mean_abs, x.abs().mean(0))
     torch.testing.assert_close(st.xtx, x.t() @ x / x.shape[0], rtol=1e-4, atol=1e-3)
-    res = awq.search_scales(st.xtx, st.mean_abs, ws, 4, 32)
+    res = awq_search.search_scales(st.xtx, st.mean_abs, ws, 4, 32)
     assert res.alpha > 0 and res.losses[res.alpha] < 0.9 * res.losses[0.0]
     assert res.scales.shape == (k,) and torch.all(res.scales > 0)
 
     w = torch.cat(ws)
 
     def output_mse(s):  # the search's loss, computed on the rows themselves
-        wq = awq.fake_quant(w * s, 4, 32) / s
+        wq = awq_search.fake_quant(w * s, 4, 32) / s
         return float(((x @ w.t() - x @ wq.t()) ** 2).mean())
 
     assert output_mse(res.scales) < 0.9 * output_mse(torch.ones(k))
@@ -142,11 +142,11 @@ def test_awq_folds_keep_the_function():
     with torch.no_grad():
         before = model(ids).logits
         s = torch.rand(HIDDEN) + 0.5
-        awq.fold_into_norm(layer.input_layernorm,
-                           [layer.self_attn.q_proj, layer.self_attn.k_proj,
-                            layer.self_attn.v_proj], s)
+        awq_search.fold_into_norm(layer.input_layernorm,
+                                  [layer.self_attn.q_proj, layer.self_attn.k_proj,
+                                   layer.self_attn.v_proj], s)
         s2 = torch.rand(INTER) + 0.5
-        awq.fold_into_linear(layer.mlp.up_proj, [layer.mlp.down_proj], s2)
+        awq_search.fold_into_linear(layer.mlp.up_proj, [layer.mlp.down_proj], s2)
         after = model(ids).logits
     torch.testing.assert_close(after, before, rtol=0, atol=1e-4)
 
@@ -171,7 +171,7 @@ def test_smoothquant_folding_keeps_logits_and_flattens_activations():
     for layer, amax in zip(model.model.layers, act_before):
         lins = [layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj]
         s = smooth_scales(amax, [lin.weight for lin in lins], 0.5)
-        awq.fold_into_norm(layer.input_layernorm, lins, s)
+        awq_search.fold_into_norm(layer.input_layernorm, lins, s)
     act_after, logits_after = _qkv_input_max(model, samples)
     for a, b in zip(logits_after, logits_before):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-4)
@@ -329,7 +329,7 @@ def test_default_group_size_divides_every_input_size(hidden, intermediate, expec
     else 64 (SmolLM2: 576 = 9 x 64), else 32, so vLLM / AWQ GEMM get whole groups."""
     import transformers
 
-    from heron.quant.quantize import QuantizeOptions, choose_group_size, resolve_group_size
+    from heron.quantizer.quantize import QuantizeOptions, choose_group_size, resolve_group_size
 
     config = transformers.LlamaConfig(vocab_size=64, hidden_size=hidden,
                                       intermediate_size=intermediate, num_hidden_layers=1,
