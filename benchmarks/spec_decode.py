@@ -56,11 +56,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 # small real sources of this repo: prompt + rewritten file fit in ~1.5k tokens
-COPY_FILES = ["heron/spec/ngram.py", "heron/engine/spec_stats.py", "heron/bench/table.py",
+COPY_FILES = ["heron/speculative/ngram.py", "heron/speculative/stats.py", "heron/bench/table.py",
               "heron/spec/train_config.py", "heron/bench/machine.py", "heron/bench/arrivals.py",
               "heron/bench/results.py", "heron/bench/server_metrics.py"]
 # longer sources cut into 40-line chunks for the batch rows (distinct prompts)
-CHUNK_SOURCES = ["heron/bench", "heron/spec", "heron/engine", "heron/worker"]
+CHUNK_SOURCES = ["heron/bench", "heron/speculative", "heron/engine", "heron/worker"]
 CHAT_QUESTIONS = [
     "Why is the sky blue? Explain it simply.",
     "Give me five tips for sleeping better.",

@@ -143,6 +143,32 @@ SPEC_METHODS = ("ngram", "draft", "eagle", "layer_skip")
 _SPEC_ALIASES = {"draft_model": "draft", "[ngram]": "ngram"}
 
 
+def parse_token_tree(spec: str | list) -> tuple[tuple[int, ...], ...]:
+    """The nodes of a draft token tree, e.g. ``"[(0,), (1,), (0, 0)]"`` (or the list itself):
+    each node is its path of choice ranks from the root; sorted by depth, then rank. A node's
+    parent must be on the greedy chain (all ranks 0 but the last). ValueError if malformed."""
+    import ast
+
+    try:
+        raw = ast.literal_eval(spec) if isinstance(spec, str) else spec
+        paths = sorted({tuple(int(r) for r in p) for p in raw}, key=lambda p: (len(p), p))
+    except (ValueError, SyntaxError, TypeError) as exc:
+        raise ValueError(f"speculative_token_tree must be a list of tuples of ranks, "
+                         f"e.g. [(0,), (1,), (0, 0)]: {exc}") from None
+    if not paths:
+        raise ValueError("speculative_token_tree has no nodes")
+    known = set(paths)
+    for path in paths:
+        if not path or min(path) < 0:
+            raise ValueError(f"tree node {path}: ranks must be >= 0, paths non-empty")
+        if any(path[:-1]):
+            raise ValueError(f"tree node {path}: a node's parent must be on the greedy "
+                             f"chain (all ranks 0 but the last)")
+        if len(path) > 1 and path[:-1] not in known:
+            raise ValueError(f"tree node {path} has no parent {path[:-1]}")
+    return tuple(paths)
+
+
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """Speculative decoding (``--speculative-config``, vLLM's keys).
@@ -156,7 +182,8 @@ class SpeculativeConfig:
     target's first ``num_layers`` layers, no training). Speculation is skipped for steps
     that run ``disable_by_batch_size`` or more sequences (large batches are compute bound).
     ``speculative_token_tree`` (model drafts) verifies a static tree of candidates instead
-    of one chain (``heron.spec.tree``); ``num_speculative_tokens`` is then its depth.
+    of one chain (``tree_paths``; ``heron.speculative.tree`` builds the tree from them);
+    ``num_speculative_tokens`` is then its depth.
     """
 
     method: str = "ngram"
@@ -190,16 +217,14 @@ class SpeculativeConfig:
             if method == "ngram":
                 raise ValueError("speculative_token_tree needs a model draft (its ranked "
                                  "choices); prompt lookup drafts one chain")
-            object.__setattr__(self, "num_speculative_tokens", self.tree.depth)
+            object.__setattr__(self, "num_speculative_tokens", len(self.tree_paths[-1]))
 
     @property
-    def tree(self):
-        """The parsed ``speculative_token_tree`` (a ``heron.spec.tree.DraftTree``) or None."""
+    def tree_paths(self) -> tuple[tuple[int, ...], ...] | None:
+        """The nodes of ``speculative_token_tree`` (checked; by depth, then rank) or None."""
         if self.speculative_token_tree is None:
             return None
-        from heron.spec.tree import DraftTree
-
-        return DraftTree.parse(self.speculative_token_tree)
+        return parse_token_tree(self.speculative_token_tree)
 
     @classmethod
     def from_dict(cls, spec: dict | str | None) -> SpeculativeConfig | None:

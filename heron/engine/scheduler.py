@@ -100,8 +100,8 @@ class Scheduler:
         self.config = config
         self.speculative = speculative
         self.spec_stats = SpecDecodingStats()
-        tree = speculative.tree if speculative else None
-        self._tree_nodes = tree.num_nodes if tree else None  # drafts verify as one tree
+        paths = speculative.tree_paths if speculative else None
+        self._tree_nodes = len(paths) if paths else None  # drafts verify as one tree
         self._num_spec = 0  # tokens the worker drafts after this step (0: not speculating)
         self.kv_cache = kv_cache
         self.max_model_len = max_model_len

@@ -1,4 +1,4 @@
-"""Train an EAGLE head (``heron.spec.eagle_head``) for a heron target, on this machine.
+"""Train an EAGLE head (``heron.speculative.eagle_head``) for a heron target, on this machine.
 
 Pipeline (``train_draft(TrainConfig(...))``, or ``heron train-draft``):
 
@@ -23,7 +23,7 @@ Pipeline (``train_draft(TrainConfig(...))``, or ``heron train-draft``):
    prediction (argmax of its logits == ``x_{p+2}``) on held-out sequences; for greedy
    ``generations`` data that is the head's expected acceptance rate at the first draft
    position under greedy speculative decoding.
-5. the head saved with ``heron.spec.eagle_checkpoint.save_eagle_head`` (config.json +
+5. the head saved with ``heron.speculative.eagle_checkpoint.save_eagle_head`` (config.json +
    model.safetensors; format in that module's docstring and docs/eagle_head.md).
 
 SmolLM2-135M on 2 CPU cores: a step's cost is dominated by the frozen 49152 x 576 LM head
@@ -45,8 +45,8 @@ import torch.nn.functional as F
 from heron.loader.model_source import resolve_model
 from heron.tokenizer import load_tokenizer
 from heron.training.draft_data import DraftSequence, load_sequences
-from heron.spec.eagle_head import EagleHead, build_eagle_head, init_from_target
-from heron.spec.eagle_checkpoint import save_eagle_head
+from heron.speculative.eagle_head import EagleHead, build_eagle_head, init_from_target
+from heron.speculative.eagle_checkpoint import save_eagle_head
 from heron.training.lm_head_loss import lm_head_cross_entropy
 from heron.training.target_features import load_target, target_hidden_states
 from heron.training.train_config import TrainConfig

@@ -20,9 +20,9 @@ from heron.quant.config import resolve_quantization
 from heron.models import ModelArchConfig
 from heron.distributed import get_pp_group, get_tp_group, init_parallel
 from heron.layers import cpu_gemm
+from heron.speculative.factory import load_draft
 from heron.worker.memory import KVLayout, num_kv_blocks
 from heron.worker.model_runner import ModelRunner
-from heron.worker.proposers import draft_kv_layout, load_draft, make_proposer
 from heron.worker.step import ModelRunnerOutput, SchedulerOutput, WorkerInfo
 
 logger = logging.getLogger(__name__)
@@ -74,9 +74,8 @@ class Worker:
                                       self.device, config.attention_backend, config.seed,
                                       enforce_eager=config.enforce_eager or par.world_size > 1,
                                       max_num_seqs=sched.max_num_seqs,
-                                      max_model_len=self.max_model_len)
-        if spec:
-            self.runner.proposer = make_proposer(spec, draft, self.runner)
+                                      max_model_len=self.max_model_len,
+                                      speculative=spec, draft=draft)
         self.num_kv_blocks = blocks
         logger.info("heron worker %d/%d ready (tp rank %d, pp stage %d, layers %d-%d): %d KV "
                     "blocks x %d tokens on %s in %.1fs", rank, par.world_size,
@@ -93,7 +92,7 @@ class Worker:
             blocks = _agree_min(num_kv_blocks(KVLayout(len(layers), kv_heads, head_dim),
                                               config.cache, dtype, self.device,
                                               config.scheduler.max_num_seqs * wanted,
-                                              draft_kv_layout(draft)), self.device)
+                                              _draft_kv_layout(draft)), self.device)
             self.max_model_len = fit_max_model_len(wanted, config.max_model_len,
                                                    blocks * config.cache.block_size)
             phase.detail = f"{blocks} blocks x {config.cache.block_size} tokens"
@@ -130,6 +129,12 @@ class Worker:
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput | None:
         """The step's outcome on the driver rank; None on the others."""
         return self.runner.execute(sched)
+
+
+def _draft_kv_layout(draft) -> KVLayout | None:
+    """What the draft's own cache holds per token (None: none, or it shares the target's)."""
+    layout = draft.kv_layout() if draft is not None else None
+    return KVLayout(*layout) if layout is not None else None
 
 
 def _device(local_rank: int) -> torch.device:

@@ -19,12 +19,14 @@ from heron.errors import EngineFault
 from heron.worker.step import ModelRunnerOutput
 
 WORKER_MODULES = ["heron.worker.worker", "heron.worker.model_runner", "heron.worker.input_batch",
-                  "heron.sample.sampler", "heron.worker.step", "heron.worker.cuda_graphs",
-                  "heron.executor.uniproc", "heron.executor.multiproc",
-                  "heron.executor.worker_process", "heron.worker.drafter",
-                  "heron.worker.proposers", "heron.worker.rejection_sampler",
-                  "heron.worker.tree_verify", "heron.spec.draft_models", "heron.spec.ngram",
-                  "heron.spec.tree", "heron.spec.eagle_checkpoint"]
+                  "heron.worker.sampling_strategies", "heron.worker.step",
+                  "heron.worker.cuda_graphs", "heron.executor.uniproc", "heron.executor.multiproc",
+                  "heron.executor.worker_process", "heron.sample.sampler",
+                  "heron.speculative.interface", "heron.speculative.factory",
+                  "heron.speculative.drafter", "heron.speculative.ngram",
+                  "heron.speculative.draft_models", "heron.speculative.tree",
+                  "heron.speculative.verify_chain", "heron.speculative.verify_tree",
+                  "heron.speculative.eagle_checkpoint", "heron.speculative.stats"]
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 POISON = 77
 

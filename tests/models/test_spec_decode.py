@@ -35,8 +35,8 @@ def eagle_dirs(tiny_dirs, tmp_path_factory):
     """An untrained EAGLE head per target: its drafts are poor, which is what exercises
     rejection; a trained one only changes how many are accepted."""
     from heron.models import ModelArchConfig
-    from heron.spec.eagle_checkpoint import save_eagle_head
-    from heron.spec.eagle_head import build_eagle_head
+    from heron.speculative.eagle_checkpoint import save_eagle_head
+    from heron.speculative.eagle_head import build_eagle_head
 
     dirs = {}
     for arch, target in tiny_dirs.items():
@@ -187,17 +187,17 @@ def test_greedy_is_identical_with_tree_verification(arch, method, backend, tiny_
                                                     eagle_dirs, reference, monkeypatch):
     """Tree steps: node positions by depth, tree attention, the accepted path's KV moved to
     its positions; siblings must be accepted sometimes, or the move is never exercised."""
-    import heron.worker.model_runner as runner_module
+    import heron.worker.sampling_strategies as strategies
 
     accepted_siblings = []
-    verify_tree = runner_module.verify_tree
+    verify_tree = strategies.verify_tree
 
     def counting(logits, states, drafts, tree, generator):
         out = verify_tree(logits, states, drafts, tree, generator)
         accepted_siblings.extend(n for p in out.paths for n in p if tree.paths[n][-1])
         return out
 
-    monkeypatch.setattr(runner_module, "verify_tree", counting)
+    monkeypatch.setattr(strategies, "verify_tree", counting)
     spec = _spec(method, tiny_dirs[arch], eagle_dirs, arch)
     spec["speculative_token_tree"] = TREE
     out, stats = _generate(tiny_dirs[arch], PROMPTS, num_kv_blocks=96,
@@ -214,5 +214,5 @@ def test_tree_config_is_checked():
     with pytest.raises(ValueError, match="prompt lookup"):
         SpeculativeConfig(method="ngram", speculative_token_tree="[(0,)]")
     spec = SpeculativeConfig(method="layer_skip", speculative_token_tree=TREE)
-    assert spec.num_speculative_tokens == 3 and spec.tree.num_nodes == 7
+    assert spec.num_speculative_tokens == 3 and len(spec.tree_paths) == 7
 

@@ -17,9 +17,8 @@ import torch.nn.functional as F
 from hf_reference import make_tiny_model
 from heron.attention.metadata import AttentionMetadata, ForwardContext, forward_context
 from heron.attention.torch_backend import TorchAttentionBackend
-from heron.layers.cpu_gemm import drop_cpu_gemm
-from heron.spec.eagle_checkpoint import load_eagle_head, save_eagle_head
-from heron.spec.eagle_head import build_eagle_head, init_from_target
+from heron.speculative.eagle_checkpoint import load_eagle_head, save_eagle_head
+from heron.speculative.eagle_head import build_eagle_head, init_from_target
 from heron.training.lm_head_loss import lm_head_cross_entropy
 from heron.training.prefill_context import prefill_context
 from heron.training.target_features import load_target, target_hidden_states
@@ -144,7 +143,7 @@ def test_lm_head_cross_entropy_matches_autograd(tmp_path, optimized):
     make_tiny_model("llama", tmp_path)
     target, arch, _, _ = load_target(str(tmp_path))
     if not optimized:  # a plain F.linear head that autograd can differentiate
-        drop_cpu_gemm(target.lm_head)
+        target.lm_head.cpu_gemm = None
     hidden = torch.randn(17, arch.hidden_size, requires_grad=True)
     tokens = torch.randint(0, arch.vocab_size, (17,))
     loss, correct = lm_head_cross_entropy(hidden, tokens, target)

@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from heron.sampling_params import SamplingParams
-from heron.worker import rejection_sampler
+from heron.speculative import verify_chain
 from heron.worker.input_batch import SequenceState
-from heron.worker.rejection_sampler import verify
+from heron.speculative.verify_chain import verify
 from heron.sample.sampler import Sampler
 
 FALSE_ALARM = 1e-6
@@ -91,14 +91,14 @@ def test_a_broken_acceptance_rule_fails_the_same_check(monkeypatch, broken):
     logits = _target_logits(k)
     drafts = [int(logits[0].argmax()), int(logits[1].argmax()), int(logits[2].argmin())]
     if broken == "residual_keeps_draft":  # draws from p instead of p without the draft
-        monkeypatch.setattr(rejection_sampler, "_residual", lambda p, rejected, q: p)
+        monkeypatch.setattr(verify_chain, "_residual", lambda p, rejected, q: p)
     else:  # accepts every draft the target finds likely enough (biased towards drafts)
-        original = rejection_sampler._uniforms
+        original = verify_chain._uniforms
 
         def biased(states, drafts_, sampling, generator):
             return {i: [u * 0.5 for u in us]
                     for i, us in original(states, drafts_, sampling, generator).items()}
-        monkeypatch.setattr(rejection_sampler, "_uniforms", biased)
+        monkeypatch.setattr(verify_chain, "_uniforms", biased)
     emitted = _sample_many(logits, drafts, n)
     distance, bound, _ = _check_position(emitted, logits, drafts, 0)
     assert distance > bound, f"the broken rule {broken} passed: L1 {distance:.4f} < {bound:.4f}"
@@ -177,8 +177,8 @@ TREE = "[(0,), (1,), (2,), (0, 0), (0, 1), (0, 0, 0)]"
 
 def _tree_samples(n: int, seed: int = 0, broken: bool = False, monkeypatch=None):
     """Emitted tokens of ``n`` sequences verifying one fixed tree on fixed rows."""
-    from heron.spec.tree import DraftTree
-    from heron.worker import tree_verify
+    from heron.speculative import verify_tree
+    from heron.speculative.tree import DraftTree
 
     tree = DraftTree.parse(TREE)
     logits = torch.randn(tree.num_nodes + 1, VOCAB,
@@ -188,10 +188,10 @@ def _tree_samples(n: int, seed: int = 0, broken: bool = False, monkeypatch=None)
               logits[4].argsort(descending=True).tolist()]
     nodes = tree.tokens_from_choices(ranked)
     if broken:  # forgets to remove a rejected sibling from p before trying the next one
-        monkeypatch.setattr(tree_verify, "_walk_sampled", _walk_without_removal)
+        monkeypatch.setattr(verify_tree, "_walk_sampled", _walk_without_removal)
     params = SamplingParams(temperature=1.0)
     states = [_state(i, params) for i in range(n)]
-    out = tree_verify.verify_tree(logits.repeat(n, 1), states, [nodes] * n, tree,
+    out = verify_tree.verify_tree(logits.repeat(n, 1), states, [nodes] * n, tree,
                                   torch.Generator().manual_seed(seed))
     return logits, nodes, out
 
@@ -227,8 +227,8 @@ def test_a_broken_tree_rule_fails_the_same_check(monkeypatch):
 
 
 def test_greedy_tree_follows_the_argmax_through_siblings():
-    from heron.spec.tree import DraftTree
-    from heron.worker.tree_verify import verify_tree
+    from heron.speculative.tree import DraftTree
+    from heron.speculative.verify_tree import verify_tree
 
     tree = DraftTree.parse(TREE)
     logits = torch.full((tree.num_nodes + 1, 10), -5.0)

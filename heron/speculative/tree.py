@@ -15,41 +15,25 @@ The accepted path's KV is then moved to the slots of its positions.
 
 from __future__ import annotations
 
-import ast
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
+
+from heron.config import parse_token_tree
 
 
 @dataclass(frozen=True)
 class DraftTree:
+    """The nodes of ``SpeculativeConfig.tree_paths`` (checked there), with what drafting,
+    the verifying step's layout and verification derive from them."""
+
     paths: tuple[tuple[int, ...], ...]  # node n's choice ranks from the root
 
     @classmethod
     def parse(cls, spec: str | list) -> DraftTree:
         """From ``"[(0,), (1,), (0, 0)]"`` (or the list itself); ValueError if malformed."""
-        try:
-            raw = ast.literal_eval(spec) if isinstance(spec, str) else spec
-            paths = sorted({tuple(int(r) for r in p) for p in raw}, key=lambda p: (len(p), p))
-        except (ValueError, SyntaxError, TypeError) as exc:
-            raise ValueError(f"speculative_token_tree must be a list of tuples of ranks, "
-                             f"e.g. [(0,), (1,), (0, 0)]: {exc}") from None
-        tree = cls(tuple(paths))
-        tree._check()
-        return tree
-
-    def _check(self) -> None:
-        if not self.paths:
-            raise ValueError("speculative_token_tree has no nodes")
-        known = set(self.paths)
-        for path in self.paths:
-            if not path or min(path) < 0:
-                raise ValueError(f"tree node {path}: ranks must be >= 0, paths non-empty")
-            if any(path[:-1]):
-                raise ValueError(f"tree node {path}: a node's parent must be on the greedy "
-                                 f"chain (all ranks 0 but the last)")
-            if len(path) > 1 and path[:-1] not in known:
-                raise ValueError(f"tree node {path} has no parent {path[:-1]}")
+        return cls(parse_token_tree(spec))
 
     @property
     def num_nodes(self) -> int:
@@ -94,3 +78,38 @@ class DraftTree:
         """Node tokens from the drafter's ranked choices: ``ranked[d][r]`` is its rank-r token
         after d chain tokens."""
         return [ranked[len(p) - 1][p[-1]] for p in self.paths]
+
+    @cached_property
+    def _layout(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(node depths (N,), attention mask (1 + N, 1 + N)), built once."""
+        return torch.tensor(self.depths()), self.attention_mask()
+
+    def lay_out(self, positions: torch.Tensor, query_start_loc: list[int],
+                drafts: list[list[int]]) -> dict[int, torch.Tensor]:
+        """Lay a verifying step out, in place: sequence ``i`` with drafts (its node tokens)
+        computes its last token (the root) and then one row per node; node n moves to
+        position root + depth(n) (its KV slot stays that of its row, root + 1 + n).
+        positions (T,) are the step's; returns the attention mask of each such sequence."""
+        depths, mask = self._layout
+        masks = {}
+        for i, nodes in enumerate(drafts):
+            if nodes:
+                root = query_start_loc[i + 1] - 1 - len(nodes)
+                positions[root + 1:root + 1 + len(nodes)] = positions[root] + depths
+                masks[i] = mask
+        return masks
+
+    def path_moves(self, query_start_loc: list[int], sampling: list[int],
+                   paths: list[list[int]]) -> tuple[list[int], list[int]]:
+        """(source rows, destination rows) that move each accepted path to the rows (and KV
+        slots) of its positions: the node at depth d was computed in row root + 1 + node, its
+        position's row is root + d. ``paths[j]``: the accepted nodes of sequence
+        ``sampling[j]``, root to leaf."""
+        src, dst = [], []
+        for j, path in enumerate(paths):
+            root = query_start_loc[sampling[j] + 1] - 1 - self.num_nodes
+            for depth, node in enumerate(path, start=1):
+                if node + 1 != depth:
+                    src.append(root + 1 + node)
+                    dst.append(root + depth)
+        return src, dst

@@ -1,7 +1,8 @@
-"""Build the proposer ``--speculative-config`` asks for, on a loaded worker.
+"""Build what ``--speculative-config`` asks for: the draft model, then the proposer.
 
-The draft model (if any) is loaded before the KV pool is sized, since its own cache shares
-the pool's blocks (``draft_kv_layout``); the proposer is attached once the runner exists.
+The worker loads the draft (``load_draft``) before it sizes the KV pool, since a draft's
+own cache shares the pool's blocks (``draft.kv_layout()``); the runner then asks for its
+proposer once (``make_proposer``), lending it a ``DraftContext``.
 """
 
 from __future__ import annotations
@@ -14,9 +15,12 @@ from heron.layers.rotary import RotaryEmbedding
 from heron.loader.model_source import resolve_model
 from heron.loader.weights import build_model, materialize_weights, optimize_layout
 from heron.models import ModelArchConfig
-from heron.spec.draft_models import EagleDraft, LayerSkipDraft, SeparateDraft
-from heron.worker.drafter import ModelDrafter, NgramProposer
-from heron.worker.memory import KVLayout
+from heron.speculative.draft_models import EagleDraft, LayerSkipDraft, SeparateDraft
+from heron.speculative.drafter import ModelDrafter
+from heron.speculative.eagle_checkpoint import load_eagle_head
+from heron.speculative.interface import DraftContext, Proposer
+from heron.speculative.ngram import NgramProposer
+from heron.speculative.tree import DraftTree
 
 
 def load_draft(spec: SpeculativeConfig, target: nn.Module, arch: ModelArchConfig,
@@ -27,8 +31,6 @@ def load_draft(spec: SpeculativeConfig, target: nn.Module, arch: ModelArchConfig
     if spec.method == "layer_skip":
         return LayerSkipDraft(target, spec.num_layers or max(1, arch.num_layers // 4))
     if spec.method == "eagle":
-        from heron.spec.eagle_checkpoint import load_eagle_head
-
         head = load_eagle_head(spec.model, arch, dtype, device)
         optimize_layout(head, device)
         return EagleDraft(head, target)
@@ -39,24 +41,18 @@ def load_draft(spec: SpeculativeConfig, target: nn.Module, arch: ModelArchConfig
     return SeparateDraft(model, arch.vocab_size)
 
 
-def draft_kv_layout(draft) -> KVLayout | None:
-    """What the draft's own cache holds per token (None: none, or it shares the target's)."""
-    layout = draft.kv_layout() if draft is not None else None
-    return KVLayout(*layout) if layout is not None else None
-
-
-def make_proposer(spec: SpeculativeConfig, draft, runner):
-    """The proposer the runner calls after each step."""
+def make_proposer(spec: SpeculativeConfig, draft, ctx: DraftContext) -> Proposer:
+    """The proposer the runner calls after each step: prompt lookup without a ``draft``,
+    else the draft decoding on the runner's block tables (a tree's nodes when ``spec``
+    names a token tree)."""
     if draft is None:
-        return NgramProposer(runner.input_batch, spec.prompt_lookup_min,
-                             spec.prompt_lookup_max, runner.max_context)
+        return NgramProposer(ctx.batch, spec.prompt_lookup_min, spec.prompt_lookup_max,
+                             ctx.max_model_len)
     for module in _modules(draft):
         if isinstance(module, RotaryEmbedding):
-            module.reserve(runner.max_context, runner.device)
-    runner.tree = spec.tree
-    return ModelDrafter(draft, runner.input_batch, runner.kv_caches, runner.make_cache,
-                        runner.backend, runner.use_triton_ops, runner.device,
-                        runner.max_context, runner.tree)
+            module.reserve(ctx.max_model_len, ctx.device)
+    paths = spec.tree_paths
+    return ModelDrafter(draft, ctx, DraftTree(paths) if paths else None)
 
 
 def _modules(draft):

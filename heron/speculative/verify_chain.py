@@ -25,11 +25,12 @@ from dataclasses import dataclass
 import torch
 
 from heron.outputs import PositionLogprobs
-from heron.worker.input_batch import SequenceState
 from heron.sample.draw import draw
 from heron.sample.filters import sampling_probs
 from heron.sample.logprobs import top_logprobs
 from heron.sample.processing import process_logits
+from heron.sample.rows import SamplingRow
+from heron.speculative.draft_row import DraftRow
 
 
 @dataclass
@@ -38,37 +39,13 @@ class VerifyOutput:
     logprobs: list[list[PositionLogprobs] | None]  # per sequence, one entry per token
 
 
-@dataclass(eq=False)
-class _DraftRow:
-    """A sequence as one verified row sees it: its tokens plus the drafts before the row
-    (what the penalties and min_tokens count)."""
-
-    state: SequenceState
-    drafts: list[int]
-
-    params = property(lambda self: self.state.params)
-    eos_token_ids = property(lambda self: self.state.eos_token_ids)
-    generator = property(lambda self: self.state.generator)
-
-    @property
-    def output_token_ids(self) -> list[int]:
-        return self.state.output_token_ids + self.drafts
-
-    @property
-    def num_output_tokens(self) -> int:
-        return self.state.num_output_tokens + len(self.drafts)
-
-    def all_token_ids(self) -> list[int]:
-        return self.state.all_token_ids() + self.drafts
-
-
-def verify(logits: torch.Tensor, states: list[SequenceState], drafts: list[list[int]],
+def verify(logits: torch.Tensor, states: list[SamplingRow], drafts: list[list[int]],
            generator: torch.Generator,
            draft_probs: list[torch.Tensor | None] | None = None) -> VerifyOutput:
     """logits: (R, V), R = sum(len(d) + 1 for d in drafts), sequence ``i``'s rows
     contiguous in order. ``draft_probs[i]``: (len(drafts[i]), V) proposal probabilities,
     None (default) for a deterministic proposer (one-hot)."""
-    rows = [_DraftRow(s, d[:j]) for s, d in zip(states, drafts) for j in range(len(d) + 1)]
+    rows = [DraftRow(s, d[:j]) for s, d in zip(states, drafts) for j in range(len(d) + 1)]
     starts = [0]
     for d in drafts:
         starts.append(starts[-1] + len(d) + 1)

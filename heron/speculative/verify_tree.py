@@ -1,4 +1,4 @@
-"""Verify a tree of draft candidates (``heron.spec.tree``) in one pass: walk from the root,
+"""Verify a tree of draft candidates (``tree.DraftTree``) in one pass: walk from the root,
 accepting at each node one of its children, until none is accepted or a leaf is reached.
 
 Row 0 of a sequence is the target after the sequence, row n + 1 the target after node n's
@@ -18,13 +18,13 @@ from dataclasses import dataclass
 import torch
 
 from heron.outputs import PositionLogprobs
-from heron.spec.tree import DraftTree
-from heron.worker.input_batch import SequenceState
-from heron.worker.rejection_sampler import _DraftRow
 from heron.sample.draw import draw
 from heron.sample.filters import sampling_probs
 from heron.sample.logprobs import top_logprobs
 from heron.sample.processing import process_logits
+from heron.sample.rows import SamplingRow
+from heron.speculative.draft_row import DraftRow
+from heron.speculative.tree import DraftTree
 
 
 @dataclass
@@ -34,15 +34,15 @@ class TreeVerifyOutput:
     logprobs: list[list[PositionLogprobs] | None]
 
 
-def verify_tree(logits: torch.Tensor, states: list[SequenceState], drafts: list[list[int]],
+def verify_tree(logits: torch.Tensor, states: list[SamplingRow], drafts: list[list[int]],
                 tree: DraftTree, generator: torch.Generator) -> TreeVerifyOutput:
     """logits (R, V): 1 + N rows per sequence with a tree (``drafts[i]``: its N node tokens),
     1 row per sequence without drafts (``drafts[i] == []``)."""
     parents, children = tree.parents(), tree.children()
     rows, starts = [], [0]
     for state, nodes in zip(states, drafts):
-        rows.append(_DraftRow(state, []))
-        rows.extend(_DraftRow(state, _path_tokens(n, nodes, parents)) for n in
+        rows.append(DraftRow(state, []))
+        rows.extend(DraftRow(state, _path_tokens(n, nodes, parents)) for n in
                     range(len(nodes)))
         starts.append(len(rows))
     raw, logits = process_logits(logits, rows)

@@ -22,12 +22,12 @@ Two paths over the same weights:
   ``kv_caches[0]``: the head's own paged KV cache, shaped like one layer of the target's,
   ``(2, num_blocks, block_size, num_kv_heads, head_dim)`` (see ``kv_cache_layout``).
 * ``forward_train`` (training): (B, S) batches with plain causal SDPA, no KV cache
-  (``heron.spec.dense_attention``), autograd on. Identical to a whole-sequence prefill on
-  the paged path (tests/test_eagle_head.py).
+  (``heron.speculative.dense_attention``), autograd on. Identical to a whole-sequence
+  prefill on the paged path (tests/unit/test_eagle_head.py).
 
 Weights are created like heron's models (``requires_grad=False``); ``build_eagle_head``
 initialises them, the trainer switches gradients on. Saving and loading:
-``heron.spec.eagle_checkpoint``.
+``heron.speculative.eagle_checkpoint``.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from heron.layers.norm import RMSNorm
 from heron.layers.rotary import RotaryEmbedding
 from heron.models import ModelArchConfig, get_model_class
 from heron.models.llama import DecoderLayer
-from heron.spec.dense_attention import DenseCausalAttention
+from heron.speculative.dense_attention import DenseCausalAttention
 
 
 def target_attention_flags(cfg: ModelArchConfig) -> tuple[bool, bool]:

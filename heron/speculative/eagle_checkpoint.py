@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 from heron.models import ModelArchConfig
-from heron.spec.eagle_head import EagleHead, build_eagle_head, target_attention_flags
+from heron.speculative.eagle_head import EagleHead, build_eagle_head, target_attention_flags
 
 FORMAT = "heron-eagle-head"
 VERSION = 1

@@ -1,4 +1,4 @@
-"""The models that draft tokens, behind one small interface the worker's drafter runs.
+"""The models that draft tokens, behind one small interface ``drafter.ModelDrafter`` runs.
 
 A draft model computes hidden states for a flat batch under the current forward context
 (its own KV caches, or the target's) and turns hidden states into logits:
@@ -75,7 +75,7 @@ class SeparateDraft:
 
 
 class EagleDraft:
-    """An EAGLE head (``heron.spec.eagle_head``) over the target's embedding and LM head:
+    """An EAGLE head (``heron.speculative.eagle_head``) over the target's embedding and LM head:
     row p takes the token at p + 1 and the hidden state at p, and predicts token p + 2."""
 
     token_offset = 1
