@@ -1,6 +1,8 @@
 # heron: `make serve` runs the main job (the embedded SmolLM2 behind an OpenAI-compatible API),
-# `make test` passes the tests.
-# Both create .venv on first use and install everything (torch pinned to the 2.13.0 CPU wheel).
+# `make test` passes every test, `make test-fast` the unit tier alone (tests/unit: no real model,
+# a few minutes at most) for the inner loop. The tiers are the folders of tests/ (unit, models,
+# kernels, server, distributed, reference_tools); `make test TESTS=tests/kernels` runs one of them.
+# Each creates .venv on first use and installs everything (torch pinned to the 2.13.0 CPU wheel).
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -8,7 +10,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.heron-installed
 PROMPT ?= Write a haiku about paged attention.
 
-.PHONY: install test serve generate chat bench clean reference-tools
+.PHONY: install test test-fast serve generate chat bench clean reference-tools
 
 install: $(STAMP)
 
@@ -21,11 +23,16 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m heron.kernels.cpu
 	touch $(STAMP)
 
+TESTS ?=
+
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q $(TESTS)
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -q tests/unit
 
 # The reference quantization tools (llm-compressor, GPTQModel, AutoAWQ, optimum) in a test-only
-# venv, never heron's: tests/test_quant_reference_tools.py runs them to write checkpoints heron
+# venv, never heron's: tests/reference_tools/ runs them to write checkpoints heron
 # must load, and to load the ones `heron quantize` writes. Without this venv those tests skip.
 # constraints.txt pins torch==2.13.0 for every install, so no tool pulls another torch.
 QUANT_VENV ?= .venv/peers/quant

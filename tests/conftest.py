@@ -1,13 +1,34 @@
-"""Shared fixtures: the real SmolLM2 GGUF under heron and under HF transformers (the oracle).
+"""Fixtures every tier shares, and the tier markers.
 
-Each is loaded once per test session; tests must not mutate them.
+The tiers are the folders under tests/ (unit, models, kernels, server, distributed,
+reference_tools); each test is marked with its folder's name, so ``-m unit`` or
+``-m "not models"`` selects by tier. Helpers shared by the test files live in tests/helpers/
+(on sys.path through pytest's ``pythonpath`` setting) and import by bare name.
+
+Session fixtures (the real SmolLM2 GGUF under heron and under HF transformers, the oracle) are
+loaded once per session; module fixtures (tiny random models) once per test module. Tests must
+not mutate any of them.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any, NamedTuple
+
 import pytest
 
 from heron.loader.gguf_loader import find_default_gguf
+
+TIERS = ("unit", "models", "kernels", "server", "distributed", "reference_tools")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark each test with its tier: the first folder under tests/ in its path."""
+    root = Path(__file__).parent
+    for item in items:
+        parts = Path(item.fspath).relative_to(root).parts
+        if len(parts) > 1 and parts[0] in TIERS:
+            item.add_marker(parts[0])
 
 
 @pytest.fixture(scope="session")
@@ -36,3 +57,32 @@ def smollm2():
     from heron import LLM
 
     return LLM(max_model_len=2048, max_num_batched_tokens=256, max_num_seqs=32)
+
+
+class TinyModel(NamedTuple):
+    """A tiny random HF checkpoint (``hf_reference.TINY_CONFIGS``, seed 0) on disk."""
+
+    path: Path  # the checkpoint directory (config.json, safetensors)
+    hf: Any  # the HF transformers model that wrote it (float32, eval): the oracle
+
+
+@pytest.fixture(scope="module")
+def tiny(request, tmp_path_factory) -> TinyModel:
+    """A tiny random Llama (GQA, llama3 rope; vocabulary 512), one per module.
+
+    Another architecture: ``@pytest.mark.parametrize("tiny", ["qwen2", ...], indirect=True)``.
+    """
+    from hf_reference import make_tiny_model
+
+    arch = getattr(request, "param", "llama")
+    path = tmp_path_factory.mktemp(f"tiny-{arch}")
+    return TinyModel(path, make_tiny_model(arch, path))
+
+
+@pytest.fixture(scope="module")
+def served_model(tmp_path_factory) -> str:
+    """Directory of a tiny random Llama with SmolLM2's vocabulary, tokenizer and chat template:
+    a server or CLI on it starts in seconds and generates in milliseconds, one per module."""
+    from server_fixture import make_tiny_served_model
+
+    return str(make_tiny_served_model(tmp_path_factory.mktemp("tiny-served")))

@@ -116,10 +116,9 @@ def test_each_rank_reads_only_its_shards(tmp_path):
                         1: (total - replicated) // 2 + replicated}
 
 
-def test_a_killed_rank_is_an_engine_fault_within_seconds(tmp_path):
+def test_a_killed_rank_is_an_engine_fault_from_its_exit(tmp_path):
     import os
     import signal
-    import time
 
     from heron.errors import EngineFault
 
@@ -128,10 +127,9 @@ def test_a_killed_rank_is_an_engine_fault_within_seconds(tmp_path):
     try:
         executor = llm.engine.core.executor
         os.kill(executor.pids[1], signal.SIGKILL)
-        started = time.monotonic()
-        with pytest.raises(EngineFault, match="rank 1 exited"):
+        # noticed from the process's exit status, not from the heartbeat timeout
+        with pytest.raises(EngineFault, match=r"rank 1 exited \(code -9\)"):
             llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4))
-        assert time.monotonic() - started < 10
     finally:
         llm.engine.shutdown()
 

@@ -13,7 +13,7 @@ import sys
 import msgspec
 import pytest
 
-from hf_reference import hf_greedy, make_tiny_model
+from hf_reference import hf_greedy
 from heron import LLM, SamplingParams
 from heron.errors import EngineFault
 from heron.worker.step import ModelRunnerOutput
@@ -50,12 +50,13 @@ def test_runner_output_round_trips_through_msgpack():
     assert msgspec.msgpack.decode(data, type=ModelRunnerOutput) == out
 
 
+PROMPTS = [[5, 6, 7, 8, 9] * 4, [11, 12, 13] * 7, [20 + i for i in range(30)], [3, 1, 4]]
+
+
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny-llama")
-    hf = make_tiny_model("llama", path)
-    prompts = [[5, 6, 7, 8, 9] * 4, [11, 12, 13] * 7, [20 + i for i in range(30)], [3, 1, 4]]
-    return path, prompts, [hf_greedy(hf, p, 8)[0] for p in prompts]
+def refs(tiny):
+    """HF's first 8 greedy tokens for each of PROMPTS on the tiny Llama."""
+    return [hf_greedy(tiny.hf, p, 8)[0] for p in PROMPTS]
 
 
 def _mp_llm(path) -> LLM:
@@ -64,8 +65,8 @@ def _mp_llm(path) -> LLM:
                block_size=4, max_num_seqs=4, distributed_executor_backend="mp")
 
 
-def test_multiprocess_executor_is_hf_exact_with_prefix_hits(tiny):
-    path, prompts, refs = tiny
+def test_multiprocess_executor_is_hf_exact_with_prefix_hits(tiny, refs):
+    path, prompts = tiny.path, PROMPTS
     llm = _mp_llm(path)
     try:
         for _ in range(2):  # the second round hits the prefix cache
@@ -81,8 +82,8 @@ def test_multiprocess_executor_is_hf_exact_with_prefix_hits(tiny):
         llm.engine.shutdown()
 
 
-def test_a_request_failing_in_the_worker_process_fails_alone(tiny, monkeypatch):
-    path, prompts, refs = tiny
+def test_a_request_failing_in_the_worker_process_fails_alone(tiny, refs, monkeypatch):
+    path, prompts = tiny.path, PROMPTS
     monkeypatch.setenv("HERON_FAULT_INJECTION_TOKEN", str(POISON))  # the worker inherits it
     llm = _mp_llm(path)
     try:
@@ -96,7 +97,7 @@ def test_a_request_failing_in_the_worker_process_fails_alone(tiny, monkeypatch):
 
 
 def test_a_dead_worker_is_an_engine_fault(tiny):
-    path, prompts, _ = tiny
+    path, prompts = tiny.path, PROMPTS
     llm = _mp_llm(path)
     try:
         llm.generate(prompts[:1], GREEDY)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 
 import torch
@@ -32,6 +33,14 @@ def make_tiny_model(arch: str, path: Path, seed: int = 0, **overrides):
     model = getattr(transformers, model_cls)(config).float().eval()
     model.save_pretrained(path)
     return model
+
+
+def random_greedy_cases(model, prompt_lens, max_new_tokens: int, seed: int):
+    """Random prompts (token ids 3..511, one per length in ``prompt_lens``, drawn with ``seed``)
+    and ``hf_greedy`` of each: ``(prompts, [(tokens, top-5 logprobs per step), ...])``."""
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in prompt_lens]
+    return prompts, [hf_greedy(model, p, max_new_tokens) for p in prompts]
 
 
 @torch.no_grad()

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_reference import hf_greedy, make_tiny_model
+from hf_reference import hf_greedy
 from heron.attention import AttentionMetadata, ForwardContext, forward_context
 from heron.attention import get_attention_backend
 from heron.layers.attention import attention
@@ -56,15 +56,14 @@ class Steps:
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    path = tmp_path_factory.mktemp("llama")
-    hf = make_tiny_model("llama", path)
-    source = resolve_model(str(path))
+def built(tiny):
+    """(HF model, heron's eager CPU model) of the tiny random Llama, same weights."""
+    source = resolve_model(str(tiny.path))
     arch = ModelArchConfig.from_hf(source.hf_config)
     model = build_model(arch, torch.float32, CPU)
     materialize_weights(model, source, "auto", torch.float32)
     optimize_layout(model, CPU)
-    return hf, model
+    return tiny.hf, model
 
 
 def _reserve(model, length: int) -> None:
@@ -99,10 +98,10 @@ def test_attention_dispatch_and_opaque_op_equal_the_backend_call():
 
 
 @torch.inference_mode()
-def test_compiled_forward_matches_eager_and_hf_without_recompiles(tiny):
+def test_compiled_forward_matches_eager_and_hf_without_recompiles(built):
     from torch._dynamo.utils import counters
 
-    hf, model = tiny
+    hf, model = built
     _reserve(model, 64)
     rng = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, 512, (n,), generator=rng).tolist() for n in (7, 12, 5)]

@@ -7,7 +7,6 @@ import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before any triton kernel is defined
 
-import random  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 
@@ -17,7 +16,7 @@ import torch  # noqa: E402
 pytest.importorskip("triton")
 
 from attention_steps import mixed_step  # noqa: E402
-from hf_reference import TINY_CONFIGS, hf_greedy, make_tiny_model  # noqa: E402
+from hf_reference import TINY_CONFIGS, make_tiny_model, random_greedy_cases  # noqa: E402
 from heron import LLM, SamplingParams  # noqa: E402
 from heron.attention import get_attention_backend, resolve_backend_name  # noqa: E402
 from heron.attention import triton_backend  # noqa: E402
@@ -71,13 +70,10 @@ print(llm.engine.runner.backend.name)
     assert proc.stdout.strip() == "cpu"
 
 
-@pytest.fixture(scope="module", params=sorted(TINY_CONFIGS))
-def tiny(request, tmp_path_factory):
-    path = tmp_path_factory.mktemp(f"triton-{request.param}")
-    hf = make_tiny_model(request.param, path)
-    rng = random.Random(1)
-    prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in PROMPT_LENS]
-    return path, prompts, [hf_greedy(hf, p, MAX_NEW) for p in prompts]
+@pytest.fixture(scope="module")
+def cases(tiny):
+    """Random prompts (seed 1) and HF's greedy continuations on the tiny model."""
+    return random_greedy_cases(tiny.hf, PROMPT_LENS, MAX_NEW, seed=1)
 
 
 def generate_and_compare(llm: LLM, prompts, refs) -> None:
@@ -100,12 +96,13 @@ def _count_calls(monkeypatch, module, name: str, calls: dict) -> None:
     monkeypatch.setattr(module, name, counted)
 
 
-def test_greedy_matches_hf_with_the_triton_backend(tiny, monkeypatch):
+@pytest.mark.parametrize("tiny", sorted(TINY_CONFIGS), indirect=True)
+def test_greedy_matches_hf_with_the_triton_backend(tiny, cases, monkeypatch):
     """Chunked prefill (budget 16, blocks of 4): steps mix decodes with prompt chunks whose
     prefix is already in the cache; RMSNorm, rotary and SiLU run as Triton kernels too."""
     from heron.kernels import activation, rmsnorm, rotary
 
-    path, prompts, refs = tiny
+    path, (prompts, refs) = tiny.path, cases
     calls: dict[str, int] = {}
     for module, name in ((rmsnorm, "rms_norm"), (rotary, "apply_rotary"),
                          (activation, "silu_and_mul")):

@@ -20,7 +20,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_reference import make_tiny_model
 from heron import LLM, SamplingParams
 from heron.kernels import cpu
 from heron.layers import cpu_gemm
@@ -172,13 +171,6 @@ def _assert_same(alone, together) -> None:
         assert a.logprobs == b.logprobs  # same bits: every layer computes a row alike
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny-llama-bi")
-    make_tiny_model("llama", path)
-    return path
-
-
 @pytest.fixture
 def invariant_float(monkeypatch):
     """The tiny checkpoints keep a float32 LM head (``ignore: lm_head``)."""
@@ -189,7 +181,7 @@ def invariant_float(monkeypatch):
                                     "ct-w8a8-int8", "ct-fp8-dynamic", "ct-fp8-static"])
 def test_checkpoint_greedy_output_alone_equals_in_a_batch_of_32(tiny, tmp_path, scheme,
                                                                 invariant_float):
-    write_quantized(tiny, tmp_path / scheme, scheme)
+    write_quantized(tiny.path, tmp_path / scheme, scheme)
     llm = LLM(str(tmp_path / scheme), **ENGINE)
     _assert_same(*_alone_and_in_batch(llm, _mixed_prompts(32, 0, 512)))
 
@@ -197,7 +189,7 @@ def test_checkpoint_greedy_output_alone_equals_in_a_batch_of_32(tiny, tmp_path, 
 def test_fp8_quantized_at_load_with_ngram_speculation(tiny, invariant_float):
     prompts = _mixed_prompts(32, 1, 512)
     prompts[0] = prompts[0][:6] * 4  # repeats: the n-gram proposer has drafts to offer
-    llm = LLM(str(tiny), quantization="fp8", **ENGINE,
+    llm = LLM(str(tiny.path), quantization="fp8", **ENGINE,
               speculative_config={"method": "ngram", "num_speculative_tokens": 3,
                                   "prompt_lookup_min": 2, "prompt_lookup_max": 3})
     _assert_same(*_alone_and_in_batch(llm, prompts))
@@ -209,7 +201,7 @@ def test_fp8_with_prefix_cache_hits_and_one_token_chunks(tiny, invariant_float):
     chunks after their hits; the output is still the same bits as alone."""
     shared = _mixed_prompts(1, 2, 512)[0][:3] * 4  # 12 tokens: three 4-token blocks
     prompts = [shared + [5 + i] for i in range(8)] + _mixed_prompts(24, 3, 512)
-    llm = LLM(str(tiny), quantization="fp8", **{**ENGINE, "enable_prefix_caching": True})
+    llm = LLM(str(tiny.path), quantization="fp8", **{**ENGINE, "enable_prefix_caching": True})
     _assert_same(*_alone_and_in_batch(llm, prompts, checked=4))
 
 
@@ -232,6 +224,6 @@ def test_float_model_batch_invariant_through_the_environment(tiny, monkeypatch):
     model's greedy output and logprobs alone equal those in a batch of 32."""
     monkeypatch.setattr(cpu_gemm, "BATCH_INVARIANT", False)  # restored after the test
     monkeypatch.setenv("HERON_BATCH_INVARIANT", "1")
-    llm = LLM(str(tiny), **ENGINE)
+    llm = LLM(str(tiny.path), **ENGINE)
     assert cpu_gemm.BATCH_INVARIANT
     _assert_same(*_alone_and_in_batch(llm, _mixed_prompts(32, 4, 512)))

@@ -15,20 +15,12 @@ import torch
 from heron import LLM, SamplingParams
 from heron.bench import roofline
 from heron.bench.cli import main as bench_main
-from hf_reference import make_tiny_model
 
 
 @pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny-llama")
-    make_tiny_model("llama", path)
-    return path
-
-
-@pytest.fixture(scope="module")
-def config_only_dir(tiny_dir, tmp_path_factory):
+def config_only_dir(tiny, tmp_path_factory):
     path = tmp_path_factory.mktemp("config-only")
-    shutil.copy(tiny_dir / "config.json", path / "config.json")
+    shutil.copy(tiny.path / "config.json", path / "config.json")
     return path
 
 
@@ -50,9 +42,9 @@ def test_dummy_load_format_needs_only_config(config_only_dir):
         LLM(str(config_only_dir), load_format="random")
 
 
-def test_throughput_with_hf_peer(tiny_dir, tmp_path, capsys):
+def test_throughput_with_hf_peer(tiny, tmp_path, capsys):
     out = tmp_path / "throughput.json"
-    rc = bench_main(["throughput", "--model", str(tiny_dir), "--num-prompts", "5",
+    rc = bench_main(["throughput", "--model", str(tiny.path), "--num-prompts", "5",
                      "--input-len", "6:20", "--output-len", "3:9", "--peer", "hf",
                      "--json-out", str(out)])
     assert rc == 0
@@ -68,9 +60,9 @@ def test_throughput_with_hf_peer(tiny_dir, tmp_path, capsys):
     assert any(line.startswith("output_tok_s") for line in printed)
 
 
-def test_latency_with_roofline_on_cpu(tiny_dir, tmp_path):
+def test_latency_with_roofline_on_cpu(tiny, tmp_path):
     out = tmp_path / "latency.json"
-    rc = bench_main(["latency", "--model", str(tiny_dir), "--batch-sizes", "1,3",
+    rc = bench_main(["latency", "--model", str(tiny.path), "--batch-sizes", "1,3",
                      "--input-len", "12", "--output-len", "5", "--iters", "1",
                      "--roofline", "on", "--json-out", str(out)])
     assert rc == 0
@@ -85,8 +77,8 @@ def test_latency_with_roofline_on_cpu(tiny_dir, tmp_path):
     assert record["roofline"]["copy_gb_s"] > 0 and record["roofline"]["gemm_tflop_s"] > 0
 
 
-def test_roofline_work_counts(tiny_dir):
-    llm = LLM(str(tiny_dir), num_kv_blocks=8)
+def test_roofline_work_counts(tiny):
+    llm = LLM(str(tiny.path), num_kv_blocks=8)
     model = llm.engine.runner.model
     # tiny llama: hidden 64, 4 heads x 16, 2 KV heads, intermediate 128, 2 layers, vocab 512
     per_layer = 64 * (64 + 2 * 32) + 64 * 64 + 3 * 64 * 128
@@ -99,10 +91,10 @@ def test_roofline_work_counts(tiny_dir):
     assert roofline.decode_step_bytes(1000, 10, batch=2, context=7) == 1000 + 2 * 8 * 10
 
 
-def test_bad_flags_give_clear_errors(tiny_dir, capsys):
-    assert bench_main(["latency", "--model", str(tiny_dir), "--batch-sizes", "0"]) == 2
+def test_bad_flags_give_clear_errors(tiny, capsys):
+    assert bench_main(["latency", "--model", str(tiny.path), "--batch-sizes", "0"]) == 2
     assert "batch sizes must be >= 1" in capsys.readouterr().err
-    assert bench_main(["throughput", "--model", str(tiny_dir), "--input-len", "9:3"]) == 2
+    assert bench_main(["throughput", "--model", str(tiny.path), "--input-len", "9:3"]) == 2
     assert "MIN <= MAX" in capsys.readouterr().err
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
-import time
+import sys
 
 import gguf
 import numpy as np
@@ -65,18 +65,20 @@ def test_weights_match_hf(gguf_path, hf_model):
     assert seen == set(ref)
 
 
-def test_tokenizer_dir_matches_hf(gguf_path, hf_tokenizer, tok_cache):
+def test_tokenizer_dir_matches_hf(gguf_path, hf_tokenizer, tok_cache, monkeypatch):
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
     d = prepare_gguf_tokenizer_dir(gguf_path, cache_root=tok_cache)
-    t0 = time.perf_counter()
-    assert prepare_gguf_tokenizer_dir(gguf_path, cache_root=tok_cache) == d
-    assert time.perf_counter() - t0 < 2.0
+    with monkeypatch.context() as m:  # the second call is a cache hit: it converts nothing
+        m.setattr(sys.modules[prepare_gguf_tokenizer_dir.__module__], "_write_tokenizer_dir",
+                  lambda *a: pytest.fail("the cached tokenizer directory was rebuilt"))
+        assert prepare_gguf_tokenizer_dir(gguf_path, cache_root=tok_cache) == d
     assert d.parent == tok_cache / "gguf"
 
-    t0 = time.perf_counter()
+    # a plain HF directory with tokenizer.json: the fast tokenizer loads without the GGUF
+    assert (d / "tokenizer.json").is_file() and not list(d.glob("*.gguf"))
     tok = AutoTokenizer.from_pretrained(str(d))
-    assert time.perf_counter() - t0 < 2.0
+    assert tok.is_fast
     for text in ["Hello world!", "  héllo wörld — 世界 🙂\n\ttabs", "<|im_start|>user\nhi<|im_end|>"]:
         assert tok(text).input_ids == hf_tokenizer(text).input_ids, text
         assert tok.decode(tok(text).input_ids) == text

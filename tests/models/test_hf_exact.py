@@ -3,11 +3,9 @@ under chunked prefill, preemption and batches that mix prefill chunks with decod
 
 from __future__ import annotations
 
-import random
-
 import pytest
 
-from hf_reference import TINY_CONFIGS, hf_greedy, hf_prompt_logprobs, make_tiny_model
+from hf_reference import TINY_CONFIGS, hf_prompt_logprobs, random_greedy_cases
 from heron import LLM, SamplingParams
 
 MAX_NEW = 16
@@ -23,14 +21,13 @@ SETTINGS = {
 }
 
 
-@pytest.fixture(scope="module", params=sorted(TINY_CONFIGS))
-def tiny(request, tmp_path_factory):
-    path = tmp_path_factory.mktemp(request.param)
-    hf = make_tiny_model(request.param, path)
-    rng = random.Random(len(request.param))
-    prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in PROMPT_LENS]
-    refs = [hf_greedy(hf, p, MAX_NEW) for p in prompts]
-    return path, hf, prompts, refs
+pytestmark = pytest.mark.parametrize("tiny", sorted(TINY_CONFIGS), indirect=True)
+
+
+@pytest.fixture(scope="module")
+def cases(tiny):
+    """Random prompts, seeded by the length of the architecture's name, and HF's greedy refs."""
+    return random_greedy_cases(tiny.hf, PROMPT_LENS, MAX_NEW, len(tiny.hf.config.model_type))
 
 
 def _record_mix(llm: LLM) -> list[tuple[int, int]]:
@@ -51,8 +48,8 @@ def _record_mix(llm: LLM) -> list[tuple[int, int]]:
 
 
 @pytest.mark.parametrize("setting", sorted(SETTINGS))
-def test_greedy_and_logprobs_match_hf(tiny, setting):
-    path, _, prompts, refs = tiny
+def test_greedy_and_logprobs_match_hf(tiny, cases, setting):
+    path, (prompts, refs) = tiny.path, cases
     llm = LLM(str(path), **SETTINGS[setting])
     mixes = _record_mix(llm)
     params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=5)
@@ -69,8 +66,8 @@ def test_greedy_and_logprobs_match_hf(tiny, setting):
     assert llm.engine.kv_cache.num_free_blocks == llm.engine.kv_cache.num_blocks
 
 
-def test_prompt_logprobs_match_hf(tiny):
-    path, hf, prompts, _ = tiny
+def test_prompt_logprobs_match_hf(tiny, cases):
+    path, hf, prompts = tiny.path, tiny.hf, cases[0]
     llm = LLM(str(path), max_num_batched_tokens=16, block_size=4)
     outputs = llm.generate(prompts[:3], SamplingParams(temperature=0, max_tokens=1,
                                                        prompt_logprobs=3))

@@ -12,19 +12,13 @@ from gguf import GGMLQuantizationType as T
 from gguf.constants import GGML_QUANT_SIZES
 from gguf.quants import dequantize
 
-from hf_reference import hf_greedy, make_tiny_model
+from hf_reference import hf_greedy
 from heron import LLM, SamplingParams
 from heron.quant import gguf_blocks
 from quant_fixtures import SCHEMES, reference_model, write_quantized
 
 PROMPT = [5, 17, 300, 42, 7, 99, 123, 250, 8, 64, 3, 77]
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=5)
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny-llama")
-    return path, make_tiny_model("llama", path)
 
 
 def _heron(path, **kwargs):

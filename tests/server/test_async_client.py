@@ -14,7 +14,6 @@ import time
 
 import pytest
 
-from hf_reference import make_tiny_model
 from heron import LLM, SamplingParams
 from heron.config import CacheConfig, EngineConfig, SchedulerConfig
 from heron.engine.core_outputs import RequestOutputKind
@@ -43,20 +42,13 @@ def loop():
 
 
 @pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny-llama")
-    make_tiny_model("llama", path)
-    return str(path)
+def tiny_llm(tiny):
+    return LLM(str(tiny.path), **TINY)
 
 
 @pytest.fixture(scope="module")
-def tiny_llm(tiny_dir):
-    return LLM(tiny_dir, **TINY)
-
-
-@pytest.fixture(scope="module")
-def tiny_client(loop, tiny_dir):
-    client = _run(loop, AsyncEngineClient.start(_config(tiny_dir, **TINY)))
+def tiny_client(loop, tiny):
+    client = _run(loop, AsyncEngineClient.start(_config(str(tiny.path), **TINY)))
     yield client
     _run(loop, client.shutdown())
 
@@ -210,19 +202,18 @@ def test_bad_requests_are_rejected_and_serving_continues(loop, tiny_client, tiny
     assert tiny_client.is_alive()
 
 
-def test_killed_core_raises_engine_dead_error(loop, tiny_dir):
-    client = _run(loop, AsyncEngineClient.start(_config(tiny_dir, **TINY)))
+def test_killed_core_raises_engine_dead_error(loop, tiny):
+    client = _run(loop, AsyncEngineClient.start(_config(str(tiny.path), **TINY)))
     long = SamplingParams(temperature=0, max_tokens=240, ignore_eos=True)
 
     async def body():
         gen = client.generate("victim", [5] * 10, long)
         await anext(gen)
         os.kill(client.pid, signal.SIGKILL)
-        killed = time.monotonic()
-        with pytest.raises(EngineDeadError):
+        # noticed from the process's exit, not from the heartbeat timeout
+        with pytest.raises(EngineDeadError, match=r"died \(exit code -9\)"):
             async for _ in gen:
                 pass
-        assert time.monotonic() - killed < 2.0
         with pytest.raises(EngineDeadError):
             await anext(client.generate("after", [5], GREEDY))
 

@@ -16,7 +16,6 @@ from starlette.routing import Route
 from heron.bench.cli import main as bench_main
 from heron.bench.http_client import Endpoint, send
 from heron.bench.workloads import Sample
-from server_fixture import HeronServer
 
 
 def _sse(*events) -> StreamingResponse:
@@ -114,10 +113,8 @@ def test_bad_serve_and_report_input(tmp_path, capsys):
 
 
 @pytest.fixture(scope="module")
-def server():
-    srv = HeronServer("--max-num-seqs", "8")
-    yield srv
-    assert srv.stop() == 0
+def server_args():
+    return ("--max-num-seqs", "8")
 
 
 def _data_pixels(path) -> int:

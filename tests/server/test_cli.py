@@ -74,21 +74,16 @@ def test_sampling_flags_show_their_defaults():
         assert helps[flag].endswith(f"(default: {default})"), helps[flag]
 
 
-# ---- runs on a tiny random model (SmolLM2's tokenizer and chat template) -------------------
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    from server_fixture import make_tiny_served_model
-
-    return str(make_tiny_served_model(tmp_path_factory.mktemp("tiny-cli")))
+# ---- runs on a tiny random model (SmolLM2's tokenizer and chat template): served_model ----
 
 
-def test_generate_stdout_is_the_completion_alone_and_progress_goes_to_stderr(tiny):
+def test_generate_stdout_is_the_completion_alone_and_progress_goes_to_stderr(served_model):
     from heron import LLM, SamplingParams
 
     prompt = "The capital of France is"
-    proc = heron("generate", prompt, "--model", tiny, "--max-tokens", "8", "--ignore-eos")
+    proc = heron("generate", prompt, "--model", served_model, "--max-tokens", "8", "--ignore-eos")
     assert proc.returncode == 0, proc.stderr[-2000:]
-    llm = LLM(tiny)
+    llm = LLM(served_model)
     want = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))[0]
     llm.engine.shutdown()
     assert proc.stdout == want.outputs[0].text + "\n"
@@ -98,8 +93,8 @@ def test_generate_stdout_is_the_completion_alone_and_progress_goes_to_stderr(tin
     assert "\r" not in proc.stderr  # no progress bars off a terminal
 
 
-def test_quiet_leaves_stderr_empty(tiny):
-    proc = heron("generate", "Hi", "--model", tiny, "--max-tokens", "2", "--quiet")
+def test_quiet_leaves_stderr_empty(served_model):
+    proc = heron("generate", "Hi", "--model", served_model, "--max-tokens", "2", "--quiet")
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stderr == "" and proc.stdout.strip()
 
@@ -124,10 +119,10 @@ def test_verbose_error_has_the_traceback():
     assert "FileNotFoundError" in proc.stderr
 
 
-def test_generate_prints_speculative_decoding_figures(tiny):
+def test_generate_prints_speculative_decoding_figures(served_model):
     """The model drafting for itself: greedy drafts are (nearly) all accepted."""
-    spec = json.dumps({"method": "draft", "model": tiny, "num_speculative_tokens": 2})
-    proc = heron("generate", "one two three", "--model", tiny, "--max-tokens", "24",
+    spec = json.dumps({"method": "draft", "model": served_model, "num_speculative_tokens": 2})
+    proc = heron("generate", "one two three", "--model", served_model, "--max-tokens", "24",
                  "--ignore-eos", "--speculative-config", spec)
     assert proc.returncode == 0, proc.stderr[-2000:]
     found = re.search(r"acceptance rate ([\d.]+)%, mean acceptance length ([\d.]+) \(drafts "

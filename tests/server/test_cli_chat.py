@@ -84,17 +84,10 @@ class Terminal:
         os.close(self.fd)
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    from server_fixture import make_tiny_served_model
-
-    return str(make_tiny_served_model(tmp_path_factory.mktemp("tiny-chat")))
-
-
 @pytest.fixture
-def chat(tiny):
+def chat(served_model):
     env = {k: v for k, v in os.environ.items() if k != "HERON_LOGGING_LEVEL"}
-    term = Terminal([sys.executable, "-m", "heron", "chat", "--model", tiny, "--quiet",
+    term = Terminal([sys.executable, "-m", "heron", "chat", "--model", served_model, "--quiet",
                      "--ignore-eos", "--max-tokens", str(MAX_TOKENS), "--max-model-len",
                      "4096"], {**env, "TERM": "xterm"})
     try:
@@ -146,9 +139,9 @@ def test_prompt_keys_and_commands(chat):
     assert chat.wait() == 0
 
 
-def test_generate_draws_progress_bars_on_a_terminal(tiny):
+def test_generate_draws_progress_bars_on_a_terminal(served_model):
     env = {k: v for k, v in os.environ.items() if k != "HERON_LOGGING_LEVEL"}
-    term = Terminal([sys.executable, "-m", "heron", "generate", "Hi", "--model", tiny,
+    term = Terminal([sys.executable, "-m", "heron", "generate", "Hi", "--model", served_model,
                      "--max-tokens", "2"], env)
     try:
         term.expect(rb"INFO heron\.cli: heron generate: starting")

@@ -7,17 +7,11 @@ from __future__ import annotations
 import re
 
 import httpx
-import pytest
 
-from server_fixture import HeronServer, make_tiny_served_model
+from server_fixture import HeronServer
 
 LINE = re.compile(r"^(\((core|rank\d+) pid=\d+\) )?\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} "
                   r"(DEBUG|INFO|WARNING|ERROR|CRITICAL) heron[\w.]*: ")
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return str(make_tiny_served_model(tmp_path_factory.mktemp("tiny-logs")))
 
 
 def _serve_log(*args: str) -> str:
@@ -31,8 +25,8 @@ def _serve_log(*args: str) -> str:
     return server.log_tail(200_000)
 
 
-def test_every_process_logs_one_format_with_levels(tiny):
-    log = _serve_log("--model", tiny, "-tp", "2")
+def test_every_process_logs_one_format_with_levels(served_model):
+    log = _serve_log("--model", served_model, "-tp", "2")
     lines = [line for line in log.splitlines() if line.strip()]
     odd = [line for line in lines if not LINE.match(line)]
     assert not odd, odd[:5]
@@ -41,6 +35,6 @@ def test_every_process_logs_one_format_with_levels(tiny):
     assert any(" INFO heron.server" in line for line in lines)
 
 
-def test_quiet_silences_every_process(tiny):
-    log = _serve_log("--model", tiny, "-tp", "2", "--quiet")
+def test_quiet_silences_every_process(served_model):
+    log = _serve_log("--model", served_model, "-tp", "2", "--quiet")
     assert " INFO " not in log, log[-2000:]

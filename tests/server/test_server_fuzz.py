@@ -22,7 +22,6 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from server_fixture import HeronServer, make_tiny_served_model
 
 VOCAB = 49152
 MAX_MODEL_LEN = 64
@@ -108,13 +107,9 @@ REQUESTS = st.one_of(
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    model = make_tiny_served_model(tmp_path_factory.mktemp("tiny-fuzz"))
-    srv = HeronServer(str(model), "--max-model-len", str(MAX_MODEL_LEN),
-                      "--max-queued-requests", "4", "--max-sequences-per-request", "16",
-                      "--max-body-bytes", str(64 * 1024))
-    yield srv
-    assert srv.stop() == 0
+def server_args(served_model):
+    return (served_model, "--max-model-len", str(MAX_MODEL_LEN), "--max-queued-requests", "4",
+            "--max-sequences-per-request", "16", "--max-body-bytes", str(64 * 1024))
 
 
 def _check_response(r: httpx.Response, body: dict, events: list[str] | None) -> None:

@@ -8,7 +8,6 @@ import openai
 import pytest
 
 from heron import SamplingParams
-from server_fixture import HeronServer
 
 QUESTIONS = ["What is the capital of France?", "Name a color.", "Say hello in French.",
              "What is 2 + 2?"]
@@ -17,10 +16,8 @@ MODEL = "SmolLM2-135M-Instruct"  # the served name of the embedded model (others
 
 
 @pytest.fixture(scope="module")
-def server():
-    srv = HeronServer("--max-num-seqs", "64")
-    yield srv
-    assert srv.stop() == 0
+def server_args():
+    return ("--max-num-seqs", "64")
 
 
 @pytest.fixture(scope="module")

@@ -18,10 +18,8 @@ QUEUE_LIMIT = 8
 
 
 @pytest.fixture(scope="module")
-def server():
-    srv = HeronServer("--max-queued-requests", str(QUEUE_LIMIT), "--api-key", "sekret")
-    yield srv
-    assert srv.stop() == 0
+def server_args():
+    return ("--max-queued-requests", str(QUEUE_LIMIT), "--api-key", "sekret")
 
 
 AUTH = {"Authorization": "Bearer sekret"}

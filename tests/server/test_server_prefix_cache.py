@@ -11,7 +11,7 @@ import zmq
 
 from heron.engine.kv_events import decode_batch
 from heron.engine.prefix_cache import block_hashes
-from server_fixture import HeronServer, free_port
+from server_fixture import free_port
 
 BLOCK = 16
 PROMPT = list(range(1000, 1000 + 5 * BLOCK + 3))  # 5 full blocks and a partial one
@@ -23,10 +23,8 @@ def events_endpoint():
 
 
 @pytest.fixture(scope="module")
-def server(events_endpoint):
-    srv = HeronServer("--kv-events-endpoint", events_endpoint, "--block-size", str(BLOCK))
-    yield srv
-    assert srv.stop() == 0
+def server_args(events_endpoint):
+    return ("--kv-events-endpoint", events_endpoint, "--block-size", str(BLOCK))
 
 
 @pytest.fixture(scope="module")

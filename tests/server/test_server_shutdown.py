@@ -28,8 +28,7 @@ from heron.sampling_params import SamplingParams
 from heron.server.failures import classify
 from heron.transport import messages as m
 from heron.transport.async_client import RequestAbortedError
-from server_fixture import (HeronServer, free_port, make_tiny_served_model,
-                            wait_until_answering)
+from server_fixture import HeronServer, free_port, wait_until_answering
 
 SLOW_SERVER = Path(__file__).resolve().parents[1] / "helpers" / "slow_engine_server.py"
 STREAM = {"prompt": [1, 2, 3], "max_tokens": 1000, "stream": True}
@@ -243,11 +242,6 @@ def test_after_an_engine_failure_the_port_answers_503_until_the_engine_has_stopp
 
 
 # ---- 14. aborted requests are counted -------------------------------------------------------
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory):
-    return str(make_tiny_served_model(tmp_path_factory.mktemp("tiny-served")))
-
-
 def _samples(url: str) -> dict:
     text = httpx.get(f"{url}/metrics", timeout=10).text
     return {(s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k != "le"))): s.value
@@ -255,8 +249,8 @@ def _samples(url: str) -> dict:
             if "le" not in s.labels}
 
 
-def test_streams_left_early_are_counted_in_metrics_and_logged(tiny_model):
-    srv = HeronServer(tiny_model)
+def test_streams_left_early_are_counted_in_metrics_and_logged(served_model):
+    srv = HeronServer(served_model)
     try:
         abort = ("heron:request_success_total", (("finished_reason", "abort"),))
         e2e = ("heron:e2e_request_latency_seconds_count", ())
@@ -286,11 +280,11 @@ def _cut_by_the_grace(error: dict) -> bool:
     return "grace period" in error["message"]  # otherwise refused: it came after SIGTERM
 
 
-def test_sigterm_with_no_grace_cuts_the_real_engine_loudly(tiny_model):
+def test_sigterm_with_no_grace_cuts_the_real_engine_loudly(served_model):
     """One sequence at a time, four requests of 1000 tokens: when the first stream's first
     event arrives, SIGTERM with --shutdown-timeout 0 cuts at least that one. Each client ends
     with a whole answer or an error event / JSON 503, never silently."""
-    srv = HeronServer(tiny_model, "--shutdown-timeout", "0", "--max-num-seqs", "1")
+    srv = HeronServer(served_model, "--shutdown-timeout", "0", "--max-num-seqs", "1")
     try:
         body = {"prompt": "x", "max_tokens": 1000, "temperature": 0, "ignore_eos": True}
         first = Stream(srv.url, {**body, "stream": True})

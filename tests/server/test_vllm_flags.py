@@ -20,7 +20,6 @@ from heron.entrypoints.serve_cli import engine_config, server_settings
 from heron.entrypoints.serve_options import resolve_dtype
 from heron.server.generation_defaults import sampling_defaults
 from heron.server.protocol import ChatCompletionRequest, CompletionRequest
-from server_fixture import HeronServer, make_tiny_served_model
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -186,19 +185,16 @@ def test_generation_config_defaults_apply_to_unset_fields_only(tmp_path):
 
 # ---- one real server with vLLM's flags --------------------------------------------------
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    model = make_tiny_served_model(tmp_path_factory.mktemp("tiny-vllm-flags"))
+def server_args(served_model, tmp_path_factory):
     gen = tmp_path_factory.mktemp("generation-config")
     (gen / "generation_config.json").write_text(json.dumps({"top_k": 1, "max_new_tokens": 5}))
-    srv = HeronServer(str(model), "--served-model-name", "smol", "other", "--max-logprobs", "2",
-                      "--allowed-origins", '["http://ok.example"]', "--response-role", "helper",
-                      "--return-tokens-as-token-ids", "--generation-config", str(gen),
-                      "--disable-log-requests", "--swap-space", "4", "--dtype", "auto",
-                      "--enable-prefix-caching", "--trust-remote-code",
-                      "--uvicorn-log-level", "warning", "--request-body-timeout", "1",
-                      "--chat-template", "<<{% for m in messages %}{{ m.content }}|{% endfor %}>>")
-    yield srv
-    assert srv.stop() == 0
+    return (served_model, "--served-model-name", "smol", "other", "--max-logprobs", "2",
+            "--allowed-origins", '["http://ok.example"]', "--response-role", "helper",
+            "--return-tokens-as-token-ids", "--generation-config", str(gen),
+            "--disable-log-requests", "--swap-space", "4", "--dtype", "auto",
+            "--enable-prefix-caching", "--trust-remote-code",
+            "--uvicorn-log-level", "warning", "--request-body-timeout", "1",
+            "--chat-template", "<<{% for m in messages %}{{ m.content }}|{% endfor %}>>")
 
 
 def _chat(server, **body) -> httpx.Response:

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from hf_reference import hf_greedy, make_tiny_model
+from hf_reference import hf_greedy
 from heron import LLM, SamplingParams
 from heron.loader.checkpoint_checks import describe_quantization
 from heron.loader.gguf_loader import read_gguf_config
@@ -29,12 +29,6 @@ FP8_CONFIG = {  # as llm-compressor writes it for an FP8 (dynamic per-token) rec
 }
 GPTQ_CONFIG = {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": False,
                "sym": True}
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny-llama")
-    return path, make_tiny_model("llama", path)
 
 
 @pytest.fixture
@@ -144,7 +138,7 @@ def test_rotary_caches_are_accepted(ckpt, tiny):
     ckpt.edit_tensors(add)
     out = LLM(str(ckpt.dir)).generate([PROMPT], SamplingParams(temperature=0, max_tokens=6,
                                                                ignore_eos=True))
-    assert out[0].outputs[0].token_ids == hf_greedy(tiny[1], PROMPT, 6)[0]
+    assert out[0].outputs[0].token_ids == hf_greedy(tiny.hf, PROMPT, 6)[0]
 
 
 def test_gguf_with_undequantizable_type_is_refused(tmp_path):

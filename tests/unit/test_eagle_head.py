@@ -27,12 +27,10 @@ from heron.training.train_draft import Example, split_examples, train_head
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    """(path, target model, arch config) of a tiny random Llama (GQA, llama3 rope)."""
-    path = tmp_path_factory.mktemp("tiny-llama")
-    make_tiny_model("llama", path)
-    target, arch, _, _ = load_target(str(path))
-    return path, target, arch
+def tiny_target(tiny):
+    """(target model, arch config) of the tiny random Llama (GQA, llama3 rope), loaded by heron."""
+    target, arch, _, _ = load_target(str(tiny.path))
+    return target, arch
 
 
 def _inputs(arch, batch: int, seq_len: int, seed: int = 0):
@@ -47,10 +45,10 @@ def _kv_cache(head, num_blocks: int, block_size: int) -> torch.Tensor:
     return torch.zeros(2, num_blocks, block_size, kv_heads, head_dim)
 
 
-def test_paged_prefill_equals_training_path(tiny):
+def test_paged_prefill_equals_training_path(tiny_target):
     """One sequence prefilled whole through the paged KV cache (metadata built by hand) and
     a batch of sequences of different lengths (padded for training) give the same outputs."""
-    _, target, arch = tiny
+    target, arch = tiny_target
     head = build_eagle_head(arch, seed=1)
     embed = target.model.embed_tokens
     ids, hidden = _inputs(arch, 3, 23)
@@ -80,10 +78,10 @@ def test_paged_prefill_equals_training_path(tiny):
             torch.testing.assert_close(part, dense[i, :lens[i]], rtol=1e-5, atol=1e-5)
 
 
-def test_paged_decode_steps_equal_training_path(tiny):
+def test_paged_decode_steps_equal_training_path(tiny_target):
     """Drafting's access pattern: prefill a prefix, then one row per step against the KV
     cache; each row equals the training path's row at that position."""
-    _, target, arch = tiny
+    target, arch = tiny_target
     head = build_eagle_head(arch, seed=2)
     embed = target.model.embed_tokens
     ids, hidden = _inputs(arch, 1, 12, seed=3)
@@ -104,8 +102,8 @@ def test_paged_decode_steps_equal_training_path(tiny):
             torch.testing.assert_close(out, dense[start:end], rtol=1e-5, atol=1e-5)
 
 
-def test_training_path_is_causal_and_differentiable(tiny):
-    _, target, arch = tiny
+def test_training_path_is_causal_and_differentiable(tiny_target):
+    target, arch = tiny_target
     head = build_eagle_head(arch, seed=1).requires_grad_(True)
     ids, hidden = _inputs(arch, 2, 10)
     out = head.forward_train(ids, hidden, target.model.embed_tokens)
@@ -119,10 +117,10 @@ def test_training_path_is_causal_and_differentiable(tiny):
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in head.parameters())
 
 
-def test_init_from_target_copies_the_feature(tiny):
+def test_init_from_target_copies_the_feature(tiny_target):
     """With fc's embedding half zeroed, a head fresh from init_from_target outputs its
     input feature: the target's normed hidden state, w * rmsnorm(z)."""
-    _, target, arch = tiny
+    target, arch = tiny_target
     head = build_eagle_head(arch, seed=0)
     g = torch.Generator().manual_seed(4)
     w = (torch.rand(arch.hidden_size, generator=g) + 0.5) * torch.sign(
@@ -170,8 +168,8 @@ def _repetitive_examples(target, arch, n: int = 12, length: int = 40) -> list[Ex
     return [Example(torch.tensor(s), h, 0) for s, h in zip(seqs, hidden)]
 
 
-def test_few_training_steps_lower_the_loss(tiny):
-    _, target, arch = tiny
+def test_few_training_steps_lower_the_loss(tiny_target):
+    target, arch = tiny_target
     torch.manual_seed(0)
     train, held = split_examples(_repetitive_examples(target, arch), 0.25, 0)
     head = build_eagle_head(arch, seed=0)
@@ -184,9 +182,9 @@ def test_few_training_steps_lower_the_loss(tiny):
     assert not any(p.requires_grad for p in head.parameters())
 
 
-def test_target_hidden_states_are_the_model_forward(tiny):
+def test_target_hidden_states_are_the_model_forward(tiny_target):
     """Packed prefills of several sequences == each sequence through the model alone."""
-    _, target, _ = tiny
+    target, _ = tiny_target
     seqs = [[5, 6, 7, 8, 9], [10, 11, 12], list(range(20, 41))]
     packed = target_hidden_states(target, seqs, max_batch_tokens=30)
     for seq, got in zip(seqs, packed):
@@ -195,8 +193,8 @@ def test_target_hidden_states_are_the_model_forward(tiny):
         assert got.shape == (len(seq), target.config.hidden_size)
 
 
-def test_save_load_round_trip(tiny, tmp_path):
-    _, target, arch = tiny
+def test_save_load_round_trip(tiny_target, tmp_path):
+    target, arch = tiny_target
     head = build_eagle_head(arch, seed=5)
     save_eagle_head(head, tmp_path / "head", {"data": "test", "steps": 0})
     config = json.loads((tmp_path / "head" / "config.json").read_text())
@@ -213,8 +211,8 @@ def test_save_load_round_trip(tiny, tmp_path):
                                    rtol=0, atol=0)
 
 
-def test_load_rejects_other_targets_and_formats(tiny, tmp_path):
-    _, _, arch = tiny
+def test_load_rejects_other_targets_and_formats(tiny_target, tmp_path):
+    _, arch = tiny_target
     save_eagle_head(build_eagle_head(arch, seed=0), tmp_path / "head")
     for change in ({"hidden_size": arch.hidden_size * 2}, {"vocab_size": 1000},
                    {"num_kv_heads": arch.num_heads}, {"architecture": "Qwen2ForCausalLM"}):
@@ -242,21 +240,14 @@ def test_shakespeare_absent_is_a_clear_error(monkeypatch):
                                   threads=None)
 
 
-@pytest.fixture(scope="module")
-def tiny_with_tokenizer(tmp_path_factory):
-    from server_fixture import make_tiny_served_model
-
-    return make_tiny_served_model(tmp_path_factory.mktemp("tiny-tok"))
-
-
-def test_cli_trains_and_saves_from_a_text_file(tiny_with_tokenizer, tmp_path, capsys):
+def test_cli_trains_and_saves_from_a_text_file(served_model, tmp_path, capsys):
     from heron.entrypoints.cli import build_parser
 
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("the cat sat on the mat and the dog ran to the park. " * 200)
     out = tmp_path / "head"
     args = build_parser().parse_args([
-        "train-draft", "--model", str(tiny_with_tokenizer), "--out", str(out),
+        "train-draft", "--model", str(served_model), "--out", str(out),
         "--data", str(corpus), "--steps", "12", "--eval-every", "6", "--seq-len", "48",
         "--max-text-tokens", "800", "--lr", "3e-3", "--threads", "2"])
     assert args.run(args) == 0
@@ -266,17 +257,17 @@ def test_cli_trains_and_saves_from_a_text_file(tiny_with_tokenizer, tmp_path, ca
     assert config["training"]["data"] == str(corpus) and config["training"]["steps"] == 12
     summary = json.loads(printed.strip().splitlines()[-1])
     assert summary["final_loss"] < summary["initial_loss"]
-    _, arch, _, _ = load_target(str(tiny_with_tokenizer))
+    _, arch, _, _ = load_target(str(served_model))
     load_eagle_head(out, arch)
 
 
-def test_cli_generations_data(tiny_with_tokenizer, tmp_path):
+def test_cli_generations_data(served_model, tmp_path):
     """The default data source end to end: the target's own continuations via heron.LLM,
     loss on the generated tokens only."""
     from heron.training.train_cli import main
 
     out = tmp_path / "head"
-    assert main(["train-draft", "--model", str(tiny_with_tokenizer), "--out", str(out),
+    assert main(["train-draft", "--model", str(served_model), "--out", str(out),
                  "--num-prompts", "6", "--max-tokens", "12", "--steps", "4",
                  "--eval-every", "4", "--threads", "2"]) == 0
     training = json.loads((out / "config.json").read_text())["training"]
