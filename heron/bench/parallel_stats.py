@@ -4,14 +4,16 @@ moved, and the pipeline bubble (the fraction of stage-time no stage computed).""
 
 from __future__ import annotations
 
-
-def snapshot(engine) -> list | None:
-    """Every rank's cumulative ``RankStats``, or None for a single in-process worker."""
-    executor = engine.core.executor
-    return executor.rank_stats() if hasattr(executor, "rank_stats") else None
+from heron.worker.rank_stats import RankStats
 
 
-def report(before: list, after: list, elapsed_s: float, tp: int, pp: int,
+def snapshot(engine) -> list[RankStats] | None:
+    """Every rank's totals (``EngineStats.ranks``), or None for a worker in the engine's own
+    process."""
+    return engine.stats().ranks or None
+
+
+def report(before: list[RankStats], after: list[RankStats], elapsed_s: float, tp: int, pp: int,
            hidden_size: int, num_layers: int, dtype_bytes: int) -> dict:
     """The run between two snapshots as per-rank rows plus totals.
 
@@ -31,7 +33,7 @@ def report(before: list, after: list, elapsed_s: float, tp: int, pp: int,
             "collective_bytes": a.collective_bytes - b.collective_bytes,
             "collective_calls": a.collective_calls - b.collective_calls,
             "p2p_s": p2p, "p2p_bytes": a.p2p_bytes - b.p2p_bytes,
-            "compute_s": busy - p2p - (a.collective_s - b.collective_s)})
+            "compute_s": a.compute_s - b.compute_s})
     # a stage computes while any of its ranks does; TP ranks of a stage run in lockstep
     stage_compute = [max(r["compute_s"] + r["collective_s"] for r in ranks[s * tp:(s + 1) * tp])
                      for s in range(pp)]

@@ -92,10 +92,10 @@ def run(args) -> dict:
     results, outputs = {}, {}
     heron.generate(warmup)
     before = parallel_stats.snapshot(heron.engine)
-    spec_before = heron.engine.stats()["spec_decode"]
+    spec_before = heron.engine.stats().spec_decode
     results["heron"], outputs["heron"] = run_engine(heron, samples, [])  # warmed up above
     parallel = _parallel_report(heron, before, results["heron"]["elapsed_s"])
-    spec = spec_decode_report(spec_before, heron.engine.stats()["spec_decode"])
+    spec = spec_decode_report(spec_before, heron.engine.stats().spec_decode)
     budget = {"kv_tokens": heron.kv_tokens, "step_tokens": heron.step_tokens,
               "max_model_len": heron.max_model_len,
               "max_num_seqs": heron.engine.config.scheduler.max_num_seqs}
@@ -125,11 +125,12 @@ def run(args) -> dict:
     return record
 
 
-def spec_decode_report(before: dict | None, after: dict | None) -> dict | None:
+def spec_decode_report(before: SpecDecodingStats | None,
+                       after: SpecDecodingStats | None) -> dict | None:
     """Acceptance over the timed run (engine counters after minus before)."""
-    if not after:
+    if after is None:
         return None
-    return SpecDecodingStats.from_dict(after).since(SpecDecodingStats.from_dict(before)).summary()
+    return after.since(before or SpecDecodingStats()).summary()
 
 
 def _parallel_report(heron, before, elapsed_s: float) -> dict | None:

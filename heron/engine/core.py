@@ -21,9 +21,11 @@ from heron.distributed.parallel_state import check_model_fits
 from heron.engine.core_outputs import SequenceDelta
 from heron.engine.isolation import EngineFault, describe, run_isolating
 from heron.engine.kv_cache import KVCacheManager
+from heron.engine.prefix_cache import PrefixCacheStats
 from heron.engine.request import Request, RequestStatus
 from heron.engine.scheduler import Scheduler
 from heron.engine.sequence_deltas import sequence_delta
+from heron.engine.stats import STEP_TIME_BUCKETS, EngineStats, Histogram, snapshot
 from heron.executor import Executor, make_executor
 from heron.loader.model_source import resolve_model
 from heron.logging_config import startup_phase
@@ -79,6 +81,10 @@ class EngineCore:
         self._ready: dict[int, ModelRunnerOutput | Exception] = {}
         self.sequences: dict[str, list[Request]] = {}  # request id -> its n sequences
         self._failed_steps = 0  # consecutive steps in which every request failed
+        # totals for stats(): requests accepted and refused, their prompt tokens, tokens
+        # generated (every delta's), and the time of each step that ran a batch
+        self._accepted = self._rejected = self._prompt_tokens = self._generated = 0
+        self._step_time = Histogram.of(STEP_TIME_BUCKETS)
         self.quantization, self.weight_bytes = info.quantization, info.weight_bytes
         logger.info("heron engine core ready: %s (%s, %s, weights %s, %.1f MB, %s backend, %s "
                     "executor) with %d KV blocks x %d tokens in %.1fs", self.model_name,
@@ -114,6 +120,15 @@ class EngineCore:
         """Validate and queue the request's n sequences; ValueError (queueing nothing) for bad
         input. ``arrival_time`` (time.monotonic) defaults to now; requests share cached
         prefixes only with requests of the same ``cache_salt``."""
+        try:
+            self._add_request(request_id, prompt_token_ids, params, arrival_time, cache_salt)
+        except Exception:
+            self._rejected += 1
+            raise
+        self._accepted += 1
+        self._prompt_tokens += len(prompt_token_ids)
+
+    def _add_request(self, request_id, prompt_token_ids, params, arrival_time, cache_salt):
         if request_id in self.sequences:
             raise ValueError(f"duplicate request id {request_id!r}")
         token_ids = list(prompt_token_ids)
@@ -183,23 +198,32 @@ class EngineCore:
     # ---- the step ------------------------------------------------------------------------
     def step(self) -> list[SequenceDelta]:
         """One iteration; the deltas of the sequences that progressed, finished or failed."""
-        if self.executor.max_in_flight > 1:
-            return self._pipelined_step()
+        began = time.perf_counter()
+        pipelined = self.executor.max_in_flight > 1
+        ran, deltas = self._pipelined_step() if pipelined else self._single_step()
+        if ran:
+            self._step_time.observe(time.perf_counter() - began)
+        self._generated += sum(len(d.new_token_ids) for d in deltas)
+        return deltas
+
+    def _single_step(self) -> tuple[bool, list[SequenceDelta]]:
+        """(whether a step computed tokens, its deltas)."""
         sched = self.scheduler.schedule()
         deltas = self._fail_groups(self.scheduler.take_failed())
         if sched.is_empty and not (sched.finished_req_ids or sched.preempted_req_ids):
-            return self._forget_finished(deltas)
+            return False, self._forget_finished(deltas)
         result = self._execute(sched)
         deltas += self.scheduler.update_from_output(sched, result)
         deltas += self._fail_groups(self.scheduler.take_failed())
-        return self._forget_finished(deltas)
+        return not sched.is_empty, self._forget_finished(deltas)
 
-    def _pipelined_step(self) -> list[SequenceDelta]:
+    def _pipelined_step(self) -> tuple[bool, list[SequenceDelta]]:
         """Pipeline parallelism: submit a new step while fewer than ``max_in_flight`` run;
         apply the oldest step's outcome when the pipe is full or nothing new could start.
-        (A sequence is in at most one step in flight, so steps never wait on each other.)"""
+        (A sequence is in at most one step in flight, so steps never wait on each other.)
+        Returns (whether a step that computes tokens was submitted or applied, the deltas)."""
         deltas = []
-        started = False
+        started = applied = False
         if self.executor.num_in_flight < self.executor.max_in_flight:
             sched = self.scheduler.schedule()
             deltas += self._fail_groups(self.scheduler.take_failed())
@@ -215,7 +239,8 @@ class EngineCore:
             result = self._execute(sched, outcome)
             deltas += self.scheduler.update_from_output(sched, result)
             deltas += self._fail_groups(self.scheduler.take_failed())
-        return self._forget_finished(deltas)
+            applied = not sched.is_empty
+        return started or applied, self._forget_finished(deltas)
 
     def _try_collect(self) -> ModelRunnerOutput | Exception:
         try:
@@ -286,20 +311,21 @@ class EngineCore:
         return deltas
 
     # ---- introspection -------------------------------------------------------------------
-    def stats(self) -> dict:
-        cache = self.kv_cache.prefix_cache
-        return {
-            "num_running": len(self.scheduler.running),
-            "num_waiting": len(self.scheduler.waiting),
-            "kv_cache_usage": self.kv_cache.usage,
-            "num_free_blocks": self.kv_cache.num_free_blocks,
-            "num_blocks": self.kv_cache.num_blocks,
-            "num_preemptions": self.scheduler.stats.num_preemptions,
-            "num_prefill_tokens": self.scheduler.stats.num_prefill_tokens,
-            "prefix_cache_enabled": cache is not None,
-            "prefix_cache_queries": cache.stats.queries if cache else 0,
-            "prefix_cache_hits": cache.stats.hits if cache else 0,
-            "num_cached_blocks": len(cache) if cache else 0,
-            "spec_decode": (self.scheduler.spec_stats.as_dict()
-                            if self.config.speculative else None),
-        }
+    def stats(self) -> EngineStats:
+        """A snapshot of the engine's stats (``heron.engine.stats``)."""
+        cache, sched = self.kv_cache.prefix_cache, self.scheduler
+        unfinished = self.num_unfinished_requests
+        return snapshot(EngineStats(
+            timestamp=time.monotonic(), num_running=len(sched.running),
+            num_waiting=len(sched.waiting), num_unfinished_requests=unfinished,
+            kv_cache_usage=float(self.kv_cache.usage),
+            num_free_blocks=self.kv_cache.num_free_blocks, num_blocks=self.kv_cache.num_blocks,
+            num_cached_blocks=len(cache) if cache else 0,
+            num_prompt_tokens_total=self._prompt_tokens,
+            num_generation_tokens_total=self._generated,
+            num_requests_finished_total=self._accepted - unfinished,
+            num_requests_rejected_total=self._rejected, scheduler=sched.stats,
+            prefix_cache=cache.stats if cache else PrefixCacheStats(),
+            prefix_cache_enabled=cache is not None,
+            spec_decode=sched.spec_stats if self.config.speculative else None,
+            step_time=self._step_time, ranks=self.executor.rank_stats()))

@@ -10,6 +10,7 @@ from heron.config import EngineConfig
 from heron.engine.core import EngineCore
 from heron.engine.core_outputs import RequestOutputKind
 from heron.engine.output_processor import OutputProcessor
+from heron.engine.stats import EngineStats
 from heron.tokenizer import load_tokenizer
 from heron.logging_config import startup_phase
 from heron.outputs import RequestOutput
@@ -100,5 +101,6 @@ class LLMEngine:
             self.core.abort_request(request_id)
         return processed.outputs
 
-    def stats(self) -> dict:
+    def stats(self) -> EngineStats:
+        """A snapshot of the engine's stats (``heron.engine.stats``)."""
         return self.core.stats()

@@ -53,6 +53,7 @@ from heron.engine.kv_cache import KVCacheManager
 from heron.engine.prefix_cache import CacheNode
 from heron.engine.request import Request, RequestStatus
 from heron.engine.sequence_deltas import sequence_delta
+from heron.engine.stats import SchedulerStats
 from heron.speculative.stats import SpecDecodingStats
 from heron.sampling_params import params_to_dict
 from heron.worker.step import ModelRunnerOutput, NewRequest, SchedulerOutput, num_rejected
@@ -82,13 +83,6 @@ class _Step:
 
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
-
-
-@dataclass
-class SchedulerStats:
-    num_preemptions: int = 0
-    num_steps: int = 0
-    num_prefill_tokens: int = 0  # prompt (and recomputed) tokens scheduled for computation
 
 
 class Scheduler:
@@ -170,6 +164,8 @@ class Scheduler:
         if not step.preempted:
             self._schedule_waiting(step, budget)
         self.stats.num_steps += 1
+        if step.scheduled:
+            self.stats.step_tokens.observe(sum(s.num_tokens for s in step.scheduled))
         for s in step.scheduled:
             s.request.in_flight = True
         return self._message(step)
@@ -366,6 +362,7 @@ class Scheduler:
         self.kv_cache.record_lookup(request.num_tokens, num_cached)
         if request.scheduled_time is None:
             request.scheduled_time = time.monotonic()
+            self.stats.queue_time.observe(max(0.0, request.scheduled_time - request.arrival_time))
         request.status = RequestStatus.RUNNING
         self.running.append(request)
 

@@ -12,7 +12,6 @@ import time
 from dataclasses import dataclass
 
 from heron.engine.detokenizer import stream_safe_end
-from heron.speculative.stats import SpecDecodingStats
 from heron.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -83,10 +82,10 @@ def stream(llm, prompt: str | list[int], params: SamplingParams, out=sys.stdout,
 def spec_decode_line(llm) -> str | None:
     """Speculative decoding's acceptance since the engine started; None when it is off or
     no draft was verified yet."""
-    counts = llm.engine.stats().get("spec_decode")
-    if not counts or not counts["num_draft_tokens"]:
+    counts = llm.engine.stats().spec_decode
+    if counts is None or not counts.num_draft_tokens:
         return None
-    s = SpecDecodingStats.from_dict(counts).summary()
+    s = counts.summary()
     return (f"speculative decoding: acceptance rate {100 * s['acceptance_rate']:.1f}%, mean "
             f"acceptance length {s['mean_acceptance_length']:.2f} (drafts {s['num_drafts']}, "
             f"draft tokens {s['num_draft_tokens']}, accepted {s['num_accepted_tokens']}, "

@@ -5,6 +5,7 @@ from __future__ import annotations
 import abc
 import collections
 
+from heron.worker.rank_stats import RankStats
 from heron.worker.step import ModelRunnerOutput, SchedulerOutput, WorkerInfo
 
 EXECUTOR_BACKENDS = ("uni", "mp")
@@ -38,6 +39,11 @@ class Executor(abc.ABC):
     @property
     def num_in_flight(self) -> int:
         return len(self._submitted)
+
+    def rank_stats(self) -> list[RankStats]:
+        """Every worker rank's totals as of its last step, by rank; empty for a worker in
+        the core's own process."""
+        return []
 
     def check_health(self) -> None:
         """Raise ``EngineFault`` if a worker is gone (called while the core is idle)."""

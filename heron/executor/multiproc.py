@@ -2,11 +2,12 @@
 
 The core binds one ROUTER socket; each rank connects a DEALER named by its rank (and a
 second one for heartbeats). A step is encoded once and sent to every rank; every rank
-answers once: the driver (TP rank 0 of the last pipeline stage) with the step's
-``ModelRunnerOutput``, the others with ``StepDone``, or any of them ``StepFailed`` with what
-the step raised. All ranks failing is a failed step (the core isolates the requests to
-blame); some failing is an ``EngineFault`` (the ranks diverged), as is a rank that exits,
-misses heartbeats, or does not answer within the collective timeout.
+answers once with a ``StepDone`` (the driver's, TP rank 0 of the last pipeline stage, with
+the step's ``ModelRunnerOutput``; every one with its rank's busy and communication totals,
+kept for ``rank_stats()``) or a ``StepFailed`` with what the step raised. All ranks failing
+is a failed step (the core isolates the requests to blame); some failing is an
+``EngineFault`` (the ranks diverged), as is a rank that exits, misses heartbeats, or does not
+answer within the collective timeout.
 
 Up to ``pipeline_parallel_size`` steps may be in flight (``submit`` / ``collect``, in order):
 pipeline stages then work on different steps at once.
@@ -34,8 +35,9 @@ import zmq
 from heron.config import EngineConfig
 from heron.errors import EngineFault
 from heron.executor.base import Executor
-from heron.executor.wire import (CollectStats, Hello, RankStats, Shutdown, StepDone,
-                                 StepFailed, WorkerMsg, WorkerStartupFailed)
+from heron.executor.wire import (Hello, Shutdown, StepDone, StepFailed, WorkerMsg,
+                                 WorkerStartupFailed)
+from heron.worker.rank_stats import RankStats
 from heron.worker.step import ModelRunnerOutput, SchedulerOutput, WorkerInfo
 
 POLL_MS = 100  # how often a waiting core checks that its ranks are alive
@@ -104,6 +106,7 @@ class MultiprocExecutor(Executor):
         # another finished step k), per rank in order
         self._early: dict[int, collections.deque] = collections.defaultdict(collections.deque)
         self._in_flight: collections.deque[int] = collections.deque()  # step ids, in order
+        self._rank_stats = [RankStats(rank) for rank in range(self.world_size)]
         self._procs = spawn_ranks(range(par.ranks_per_node), address, init_method(config),
                                   os.getpid())
         # an executor dropped without shutdown() (or at exit) still stops its ranks
@@ -147,7 +150,10 @@ class MultiprocExecutor(Executor):
     def collect(self) -> ModelRunnerOutput:
         """The outcome of the oldest submitted step."""
         step_id = self._in_flight.popleft()
-        replies = self._receive_all(self.step_timeout_s, (ModelRunnerOutput, StepDone))
+        replies = self._receive_all(self.step_timeout_s, StepDone)
+        for rank, msg in replies.items():
+            if isinstance(msg, StepDone):
+                self._rank_stats[rank] = msg.stats
         failed = {rank: m for rank, m in replies.items() if isinstance(m, StepFailed)}
         if failed and len(failed) < self.world_size:
             rank, msg = next(iter(failed.items()))
@@ -155,19 +161,13 @@ class MultiprocExecutor(Executor):
                               f" the ranks diverged")
         if failed:
             raise WorkerStepError(failed[self.driver_rank].message)
-        reply = replies[self.driver_rank]
-        assert isinstance(reply, ModelRunnerOutput)
-        return reply
+        output = replies[self.driver_rank].output
+        assert isinstance(output, ModelRunnerOutput)
+        return output
 
     def rank_stats(self) -> list[RankStats]:
-        """Every rank's communication and busy-time totals (no step may be in flight)."""
-        if self._in_flight:
-            raise RuntimeError("rank_stats() while steps are in flight")
-        frame = self._encoder.encode(CollectStats())
-        for rank in range(self.world_size):
-            self._send(rank, frame)
-        replies = self._receive_all(self.step_timeout_s, RankStats)
-        return [replies[rank] for rank in range(self.world_size)]
+        """Every rank's totals as of the last step it answered, by rank."""
+        return list(self._rank_stats)
 
     # ---- transport -----------------------------------------------------------------------
     def _send(self, rank: int, payload: bytes) -> None:

@@ -2,8 +2,9 @@
 
 A rank connects and says ``Hello``; the core answers with the engine config; the rank loads
 and answers ``WorkerInfo`` (or ``WorkerStartupFailed``). Then, for every step, each rank
-answers once: the driver with the step's ``ModelRunnerOutput``, the others with ``StepDone``
-(or any of them ``StepFailed``). Heartbeats are empty frames on a second connection.
+answers once with ``StepDone`` (its ``RankStats`` after the step; the driver's also carries
+the step's ``ModelRunnerOutput``) or ``StepFailed``. Heartbeats are empty frames on a second
+connection.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from typing import Union
 
 import msgspec
 
+from heron.worker.rank_stats import RankStats
 from heron.worker.step import ModelRunnerOutput, SchedulerOutput, WorkerInfo
 
 
@@ -20,9 +22,12 @@ class Hello(msgspec.Struct, tag=True):
 
 
 class StepDone(msgspec.Struct, tag=True):
-    """A rank that is not the driver ran its part of step ``step_id``."""
+    """A rank ran its part of step ``step_id``: its totals after it, and on the driver (the
+    rank that samples) the step's outcome."""
 
     step_id: int
+    stats: RankStats
+    output: ModelRunnerOutput | None = None
 
 
 class StepFailed(msgspec.Struct, tag=True):
@@ -38,24 +43,5 @@ class Shutdown(msgspec.Struct, tag=True):
     """The core is stopping: a rank exits (ranks on other nodes have no parent to watch)."""
 
 
-class CollectStats(msgspec.Struct, tag=True):
-    """Ask every rank for its ``RankStats`` (between steps)."""
-
-
-class RankStats(msgspec.Struct, tag=True):
-    """One rank's totals since it started: steps run, time inside them, and of that time
-    the part spent in collectives and in pipeline send / recv (waiting for peers included)."""
-
-    rank: int
-    steps: int
-    busy_s: float
-    collective_s: float
-    collective_bytes: int
-    collective_calls: int
-    p2p_s: float
-    p2p_bytes: int
-
-
-WorkerMsg = Union[Hello, WorkerInfo, ModelRunnerOutput, StepDone, StepFailed,
-                  WorkerStartupFailed, RankStats]
-CoreMsg = Union[SchedulerOutput, CollectStats, Shutdown]
+WorkerMsg = Union[Hello, WorkerInfo, StepDone, StepFailed, WorkerStartupFailed]
+CoreMsg = Union[SchedulerOutput, Shutdown]

@@ -22,8 +22,9 @@ import zmq
 
 from heron.config import EngineConfig
 from heron.logging_config import configure as configure_logging
-from heron.executor.wire import (CollectStats, CoreMsg, Hello, RankStats, Shutdown, StepDone,
-                                 StepFailed, WorkerStartupFailed)
+from heron.executor.wire import (CoreMsg, Hello, Shutdown, StepDone, StepFailed,
+                                 WorkerStartupFailed)
+from heron.worker.rank_stats import RankStats
 
 logger = logging.getLogger("heron.worker")
 
@@ -77,25 +78,25 @@ def _parent_gone(parent_pid: int) -> bool:
 
 
 class _StepLoop:
-    """Runs the core's messages on a loaded worker: steps (answered with their outcome, a
-    StepDone, or a StepFailed) and stats requests."""
+    """Runs the core's steps on a loaded worker: each answered with a StepDone (this rank's
+    totals after it, and the outcome on the driver) or a StepFailed."""
 
     def __init__(self, worker, rank: int) -> None:
         self.worker, self.rank = worker, rank
         self.steps, self.busy_s = 0, 0.0
 
     def handle(self, msg):
-        if isinstance(msg, CollectStats):
-            return self._stats()
         started = time.perf_counter()
         try:
-            reply = self.worker.execute_model(msg)
+            output = self.worker.execute_model(msg)
         except Exception as exc:  # noqa: BLE001 - the core isolates the requests to blame
             logger.exception("step failed in worker rank %d", self.rank)
-            reply = StepFailed(_describe(exc), msg.step_id)
+            output = StepFailed(_describe(exc), msg.step_id)
         self.busy_s += time.perf_counter() - started
         self.steps += 1
-        return StepDone(msg.step_id) if reply is None else reply
+        if isinstance(output, StepFailed):
+            return output
+        return StepDone(msg.step_id, self._stats(), output)
 
     def _stats(self) -> RankStats:
         from heron.distributed.parallel_state import COMM

@@ -15,6 +15,7 @@ import logging
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+import msgspec
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError as PydanticRequestError
 from fastapi.responses import PlainTextResponse, Response
@@ -194,10 +195,11 @@ def _install_ops_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.get("/stats", responses=error_responses(401))
     async def stats():
-        """Engine stats as JSON (KV blocks, queues, preemptions) plus the core's pid."""
+        """The engine's ``EngineStats`` as JSON (speculative decoding as its acceptance
+        summary), plus the core's pid and what admission holds."""
         admission = state.admission
         stats = client.stats()
-        return {**stats, "spec_decode": spec_decode_summary(stats),
+        return {**msgspec.to_builtins(stats), "spec_decode": spec_decode_summary(stats),
                 "engine_pid": client.pid, "engine_alive": client.is_alive(),
                 "admitted_requests": admission.queued_requests,
                 "admitted_sequences": admission.queued_sequences,

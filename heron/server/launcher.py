@@ -30,16 +30,17 @@ async def log_engine_stats(client, interval: float = STATS_INTERVAL_S) -> None:
     while client.is_alive():
         await asyncio.sleep(interval)
         now = client.stats()
-        prompt = now["num_prompt_tokens_total"] - last["num_prompt_tokens_total"]
-        gen = now["num_generation_tokens_total"] - last["num_generation_tokens_total"]
-        if prompt or gen or now["num_running"] or now["num_waiting"]:
-            queries = now["prefix_cache_queries_total"] - last["prefix_cache_queries_total"]
-            hits = now["prefix_cache_hits_total"] - last["prefix_cache_hits_total"]
+        prompt = now.num_prompt_tokens_total - last.num_prompt_tokens_total
+        gen = now.num_generation_tokens_total - last.num_generation_tokens_total
+        if prompt or gen or now.num_running or now.num_waiting:
+            queries = now.prefix_cache.queries - last.prefix_cache.queries
+            hits = now.prefix_cache.hits - last.prefix_cache.hits
             logger.info("engine: prompt %.1f tok/s, generation %.1f tok/s, running %d, "
                         "waiting %d, KV cache %.1f%%, prefix-cache hit rate %.1f%%, "
                         "preemptions %d", prompt / interval, gen / interval,
-                        now["num_running"], now["num_waiting"], 100 * now["kv_cache_usage"],
-                        100 * hits / queries if queries else 0.0, now["num_preemptions"])
+                        now.num_running, now.num_waiting, 100 * now.kv_cache_usage,
+                        100 * hits / queries if queries else 0.0,
+                        now.scheduler.num_preemptions)
             spec = spec_decode_summary(now, last)
             if spec is not None:
                 logger.info("speculative decoding: acceptance rate %.1f%%, mean acceptance "
@@ -81,7 +82,7 @@ async def serve_client(client, settings: ServerSettings, host: str, port: int,
     logger.info("heron serving %s (%s) on %s://%s:%d  KV blocks: %s, max_model_len %d",
                 settings.served_model_name, dtype,
                 "https" if settings.http.ssl_certfile else "http", host, port,
-                stats.get("num_blocks"),
+                stats.num_blocks,
                 client.max_model_len)
     in_flight = InFlightRequests(app, state)
     server = DrainingServer(uvicorn.Config(in_flight, host=host, port=port,

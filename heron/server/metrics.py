@@ -1,5 +1,8 @@
 """Prometheus metrics for the server, named like vLLM's under a ``heron:`` prefix.
 
+Two sources: the requests this server saw end (latencies, lengths, finish reasons,
+rejections, cost) are observed here; the engine's are derived from its ``EngineStats`` by
+the table in ``heron.server.engine_metrics`` (``update_engine_stats`` before each render).
 Everything lives on a dedicated CollectorRegistry so several servers (or tests) in one
 process never collide. Timestamps passed in are ``time.monotonic()`` values (the engine's
 clock); only differences between them are used.
@@ -13,14 +16,11 @@ import time
 from typing import Callable, Iterable, Optional
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-
-from heron.speculative.stats import SpecDecodingStats
 from prometheus_client.exposition import choose_encoder
 
-# 1 ms .. 160 s: covers a fast decode step up to a long queued generation.
-LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3,
-                   0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 60.0, 120.0, 160.0)
-TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000)
+from heron.engine.stats import LATENCY_BUCKETS, TOKEN_BUCKETS, EngineStats
+from heron.server.engine_metrics import EngineMetrics
+from heron.speculative.stats import SpecDecodingStats
 
 
 class ServerMetrics:
@@ -35,7 +35,8 @@ class ServerMetrics:
         self._clock = clock
         self._start = clock()
         self._recent: collections.deque[tuple[float, int, int]] = collections.deque()
-        self._last_totals: dict[str, int] = {}  # engine counters as last reported
+        self.engine = EngineMetrics()
+        self.registry.register(self.engine)
         self._build()
 
     def _histogram(self, name: str, doc: str, buckets: Iterable[float] = LATENCY_BUCKETS):
@@ -49,7 +50,6 @@ class ServerMetrics:
         self.tpot = self._histogram("time_per_output_token_seconds",
                                     "Mean time per output token after the first, per request.")
         self.e2e = self._histogram("e2e_request_latency_seconds", "Arrival to finish.")
-        self.queue = self._histogram("request_queue_time_seconds", "Time spent waiting.")
         self.prefill = self._histogram("request_prefill_time_seconds",
                                        "First scheduled to first token.")
         self.decode = self._histogram("request_decode_time_seconds", "First token to finish.")
@@ -57,38 +57,6 @@ class ServerMetrics:
                                           TOKEN_BUCKETS)
         self.gen_len = self._histogram("request_generation_tokens",
                                        "Generated tokens per request.", TOKEN_BUCKETS)
-        self.running = Gauge("heron:num_requests_running", "Requests running.", registry=reg)
-        self.waiting = Gauge("heron:num_requests_waiting", "Requests waiting.", registry=reg)
-        self.kv_usage = Gauge("heron:kv_cache_usage_perc", "KV cache usage (1 = full).",
-                              registry=reg)
-        # the engine's own totals (every token it computed, however its request ended)
-        self.prompt_tokens = Counter("heron:prompt_tokens",
-                                     "Prompt tokens of the requests the engine accepted.",
-                                     registry=reg)
-        self.generation_tokens = Counter("heron:generation_tokens",
-                                         "Tokens generated (aborted requests' too).",
-                                         registry=reg)
-        self.preemptions = Counter("heron:num_preemptions", "Preemptions.", registry=reg)
-        self.prefix_queries = Counter("heron:prefix_cache_queries",
-                                      "Prompt tokens looked up in the prefix cache.", registry=reg)
-        self.prefix_hits = Counter("heron:prefix_cache_hits",
-                                   "Prompt tokens whose KV came from the prefix cache.",
-                                   registry=reg)
-        self.prefix_hit_rate = Gauge("heron:prefix_cache_hit_rate",
-                                     "Prefix-cache hits / queries since the engine started.",
-                                     registry=reg)
-        self.prefill_computed = Counter("heron:prefill_tokens_computed",
-                                        "Prompt (and recomputed) tokens actually computed.",
-                                        registry=reg)
-        self.spec_drafts = Counter("heron:spec_decode_num_drafts",
-                                   "Sequence-steps that verified draft tokens.", registry=reg)
-        self.spec_draft_tokens = Counter("heron:spec_decode_num_draft_tokens",
-                                         "Draft tokens verified.", registry=reg)
-        self.spec_accepted = Counter("heron:spec_decode_num_accepted_tokens",
-                                     "Draft tokens accepted.", registry=reg)
-        self.spec_accepted_per_pos = Counter("heron:spec_decode_num_accepted_tokens_per_pos",
-                                             "Draft tokens accepted, by position in the draft.",
-                                             ["position"], registry=reg)
         self.success = Counter("heron:request_success", "Finished requests.",
                                ["finished_reason"], registry=reg)
         self.rejected = Counter("heron:request_rejected", "Requests refused before running.",
@@ -116,7 +84,8 @@ class ServerMetrics:
 
         ``token_times`` are the times each output token (or streamed delta) arrived; their
         differences feed the inter-token-latency histogram. ``queue_time`` is the time from
-        arrival until first scheduled; prefill time is what remains before the first token.
+        arrival until first scheduled (the engine observes it in its own histogram); prefill
+        time is what remains before the first token.
         """
         self.e2e.observe(max(0.0, finish - arrival))
         if first_token is not None:
@@ -126,8 +95,6 @@ class ServerMetrics:
                 self.tpot.observe(max(0.0, finish - first_token) / (completion_tokens - 1))
             if queue_time is not None:
                 self.prefill.observe(max(0.0, first_token - arrival - queue_time))
-        if queue_time is not None:
-            self.queue.observe(max(0.0, queue_time))
         for prev, cur in zip(token_times or [], (token_times or [])[1:]):
             self.itl.observe(max(0.0, cur - prev))
         self.prompt_len.observe(prompt_tokens)
@@ -141,39 +108,10 @@ class ServerMetrics:
 
     # ------------------------------------------------------------ engine
 
-    def update_engine_stats(self, stats: dict) -> None:
-        """Apply the engine's stats; its cumulative totals become counter increments (a total
-        that goes down, as after an engine restart, counts from zero again)."""
-        if "num_running" in stats:
-            self.running.set(stats["num_running"])
-        if "num_waiting" in stats:
-            self.waiting.set(stats["num_waiting"])
-        if "kv_cache_usage" in stats:
-            self.kv_usage.set(stats["kv_cache_usage"])
-        for key, counter in (("num_prompt_tokens_total", self.prompt_tokens),
-                             ("num_generation_tokens_total", self.generation_tokens),
-                             ("num_preemptions", self.preemptions),
-                             ("prefix_cache_queries_total", self.prefix_queries),
-                             ("prefix_cache_hits_total", self.prefix_hits),
-                             ("num_prefill_tokens_total", self.prefill_computed),
-                             ("spec_decode_num_drafts_total", self.spec_drafts),
-                             ("spec_decode_num_draft_tokens_total", self.spec_draft_tokens),
-                             ("spec_decode_num_accepted_tokens_total", self.spec_accepted)):
-            self._advance(key, counter, stats.get(key))
-        for pos, total in enumerate(stats.get("spec_decode_accepted_per_pos_total") or ()):
-            self._advance(f"spec_decode_accepted_pos_{pos}",
-                          self.spec_accepted_per_pos.labels(position=str(pos)), total)
-        queries = stats.get("prefix_cache_queries_total")
-        if queries:
-            self.prefix_hit_rate.set(stats.get("prefix_cache_hits_total", 0) / queries)
-
-    def _advance(self, key: str, counter: Counter, total: Optional[int]) -> None:
-        if total is None:
-            return
-        last = self._last_totals.get(key)
-        fresh = last is None or total < last  # first report, or the engine restarted
-        counter.inc(total if fresh else total - last)
-        self._last_totals[key] = total
+    def update_engine_stats(self, stats: EngineStats) -> None:
+        """Take the engine's latest stats (rendered by the next ``render``); a total that
+        goes down (the engine restarted) counts on from where it was."""
+        self.engine.update(stats)
 
     # ------------------------------------------------------------ cost
 
@@ -213,21 +151,16 @@ class ServerMetrics:
         return encoder(self.registry), content_type
 
 
-def spec_decode_summary(now: dict, last: dict | None = None) -> dict | None:
+def spec_decode_summary(now: EngineStats, last: EngineStats | None = None) -> dict | None:
     """Acceptance between two stats snapshots (since the start without ``last``); None when
     no draft was verified in between."""
-    between = _spec_counts(now).since(_spec_counts(last) if last else SpecDecodingStats())
+    if now.spec_decode is None:
+        return None
+    before = last.spec_decode if last is not None else None
+    between = now.spec_decode.since(before or SpecDecodingStats())
     if not between.num_drafts or not between.num_draft_tokens:
         return None
     return between.summary()
-
-
-def _spec_counts(stats: dict) -> SpecDecodingStats:
-    """The speculative-decoding counters of an engine stats snapshot (``StatsMsg``)."""
-    return SpecDecodingStats(stats["spec_decode_num_drafts_total"],
-                             stats["spec_decode_num_draft_tokens_total"],
-                             stats["spec_decode_num_accepted_tokens_total"],
-                             list(stats["spec_decode_accepted_per_pos_total"]))
 
 
 def cost_per_million_tokens(cost_per_gpu_hour: float, tokens_per_second: float) -> float:

@@ -37,6 +37,7 @@ from heron.tokenizer import load_tokenizer
 from heron.logging_config import startup_phase
 from heron.engine.core_outputs import RequestOutputKind
 from heron.engine.output_processor import OutputProcessor
+from heron.engine.stats import EngineStats
 from heron.outputs import OutputAccumulator, RequestOutput, merge_deltas
 from heron.sampling_params import SamplingParams
 
@@ -64,8 +65,8 @@ class AsyncEngineClient:
         self._streams: dict[str, asyncio.Queue] = {}  # request id -> its delta outputs
         # text, stop strings and n > 1 grouping of every request, outside the core's loop
         self._processor = OutputProcessor(tokenizer)
-        self._stats = m.StatsMsg(num_blocks=ready.num_kv_blocks,
-                                 num_free_blocks=ready.num_kv_blocks)
+        self._stats = EngineStats(num_blocks=ready.num_kv_blocks,
+                                  num_free_blocks=ready.num_kv_blocks)
         self._dead: str | None = None  # why the engine is unusable, once it is
         self._refusing: str | None = None  # set by abort_all: why new requests are refused
         self._failed = asyncio.Event()  # set when it died by failure (not by shutdown)
@@ -141,9 +142,9 @@ class AsyncEngineClient:
     def pid(self) -> int | None:
         return self._proc.pid
 
-    def stats(self) -> dict:
+    def stats(self) -> EngineStats:
         """The latest engine stats (refreshed every step, and every ~0.5 s when idle)."""
-        return msgspec.structs.asdict(self._stats)
+        return self._stats
 
     # ---- requests ------------------------------------------------------------------------
     async def generate(self, request_id: str, prompt_token_ids: list[int],

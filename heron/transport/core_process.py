@@ -43,7 +43,6 @@ class CoreServer:
         self.parent_pid = parent_pid
         self.decoder = msgspec.msgpack.Decoder(m.InputMsg)
         self.encoder = msgspec.msgpack.Encoder()
-        self.counters = dict(accepted=0, prompt=0, generation=0, rejected=0)
         self.last_send = 0.0
 
     def run(self) -> None:
@@ -59,8 +58,7 @@ class CoreServer:
             if self.kv_events is not None:
                 self.kv_events.publish(self.core.take_kv_events())
             if deltas or changed or time.monotonic() - self.last_send >= STATS_INTERVAL_S:
-                self.counters["generation"] += sum(len(d.new_token_ids) for d in deltas)
-                self._send(m.OutputsMsg(deltas, self._stats()))
+                self._send(m.OutputsMsg(deltas, self.core.stats()))
         logger.info("parent process is gone: engine core exits")
 
     # ---- input ---------------------------------------------------------------------------
@@ -97,42 +95,13 @@ class CoreServer:
         except Exception as exc:  # ValueError for bad input; anything else is logged too
             if not isinstance(exc, ValueError):
                 logger.exception("add_request %s failed", msg.request_id)
-            self.counters["rejected"] += 1
             self._send(m.ErrorMsg(msg.request_id, str(exc) or type(exc).__name__))
-            return
-        self.counters["accepted"] += 1
-        self.counters["prompt"] += len(msg.prompt_token_ids)
 
     # ---- output --------------------------------------------------------------------------
-    def _stats(self) -> m.StatsMsg:
-        s, c = self.core.stats(), self.counters
-        unfinished = self.core.num_unfinished_requests
-        return m.StatsMsg(
-            num_running=s["num_running"], num_waiting=s["num_waiting"],
-            num_unfinished_requests=unfinished,
-            kv_cache_usage=float(s["kv_cache_usage"]), num_free_blocks=s["num_free_blocks"],
-            num_blocks=s["num_blocks"], num_preemptions=s["num_preemptions"],
-            num_prompt_tokens_total=c["prompt"], num_generation_tokens_total=c["generation"],
-            num_requests_finished_total=c["accepted"] - unfinished,
-            num_requests_rejected_total=c["rejected"], timestamp=time.monotonic(),
-            prefix_cache_queries_total=s["prefix_cache_queries"],
-            prefix_cache_hits_total=s["prefix_cache_hits"],
-            num_cached_blocks=s["num_cached_blocks"],
-            num_prefill_tokens_total=s["num_prefill_tokens"], **_spec_stats(s["spec_decode"]))
-
     def _send(self, msg) -> None:
         self.out_sock.send(self.encoder.encode(msg), zmq.NOBLOCK)
         if isinstance(msg, m.OutputsMsg):
             self.last_send = time.monotonic()
-
-
-def _spec_stats(spec: dict | None) -> dict:
-    if not spec:
-        return {}
-    return {"spec_decode_num_drafts_total": spec["num_drafts"],
-            "spec_decode_num_draft_tokens_total": spec["num_draft_tokens"],
-            "spec_decode_num_accepted_tokens_total": spec["num_accepted_tokens"],
-            "spec_decode_accepted_per_pos_total": spec["accepted_per_pos"]}
 
 
 def _ready(core) -> m.ReadyMsg:

@@ -23,6 +23,7 @@ from typing import Any, Union
 import msgspec
 
 from heron.engine.core_outputs import SequenceDelta
+from heron.engine.stats import EngineStats
 from heron.sampling_params import SamplingParams
 
 
@@ -72,34 +73,9 @@ class ReadyMsg(msgspec.Struct, tag=True):
     weight_bytes: int = 0  # all ranks' weights as the forward reads them
 
 
-class StatsMsg(msgspec.Struct, array_like=True):
-    num_running: int = 0
-    num_waiting: int = 0
-    num_unfinished_requests: int = 0  # user-facing requests (n > 1 counts once)
-    kv_cache_usage: float = 0.0
-    num_free_blocks: int = 0
-    num_blocks: int = 0
-    num_preemptions: int = 0
-    num_prompt_tokens_total: int = 0  # prompt tokens of accepted requests
-    num_generation_tokens_total: int = 0  # tokens generated (all completions)
-    num_requests_finished_total: int = 0
-    num_requests_rejected_total: int = 0
-    timestamp: float = 0.0  # time.monotonic() when taken
-    prefix_cache_queries_total: int = 0  # prompt tokens looked up in the prefix cache
-    prefix_cache_hits_total: int = 0  # of those, tokens whose KV was reused
-    num_cached_blocks: int = 0  # blocks the prefix cache holds (referenced or not)
-    num_prefill_tokens_total: int = 0  # prompt (and recomputed) tokens actually computed
-    # speculative decoding (all 0 without it): sequence-steps that verified drafts, drafts
-    # verified, drafts accepted, and accepted drafts by position (0-based)
-    spec_decode_num_drafts_total: int = 0
-    spec_decode_num_draft_tokens_total: int = 0
-    spec_decode_num_accepted_tokens_total: int = 0
-    spec_decode_accepted_per_pos_total: list[int] = []
-
-
 class OutputsMsg(msgspec.Struct, tag=True):
     outputs: list[SequenceDelta]  # as the core's step (or an abort) produced them
-    stats: StatsMsg
+    stats: EngineStats  # the core's, after the step
 
 
 class ErrorMsg(msgspec.Struct, tag=True):

@@ -54,7 +54,7 @@ def single(request, tmp_path_factory):
     make_tiny_model(arch, path, num_key_value_heads=ARCHS[arch])
     prompts = _prompts(len(arch))
     outputs, stats = _run(path, prompts)
-    assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0, stats
+    assert stats.scheduler.num_preemptions > 0 and stats.prefix_cache.hits > 0, stats
     return path, prompts, outputs
 
 
@@ -85,8 +85,18 @@ def test_parallel_equals_single_process(single, layout):
     path, prompts, reference = single
     tp, pp = LAYOUTS[layout]
     outputs, stats = _run(path, prompts, tensor_parallel_size=tp, pipeline_parallel_size=pp)
-    assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0, stats
+    assert stats.scheduler.num_preemptions > 0 and stats.prefix_cache.hits > 0, stats
     _assert_same(reference, outputs)
+    _assert_rank_stats(stats.ranks, tp, pp)
+
+
+def _assert_rank_stats(ranks, tp: int, pp: int) -> None:
+    """Every rank reports its steps, busy time, and the communication its layout needs."""
+    assert [r.rank for r in ranks] == list(range(tp * pp))
+    for r in ranks:
+        assert r.steps > 0 and r.busy_s > 0, r
+        assert (r.collective_calls > 0 and r.collective_s > 0) == (tp > 1), r
+        assert (r.p2p_bytes > 0) == (pp > 1), r
 
 
 def _checkpoint_bytes(path) -> tuple[int, int]:

@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fake_core import LetterTokenizer, _InSock, _Proc  # noqa: E402
 
 from heron.engine.core_outputs import SequenceDelta  # noqa: E402
+from heron.engine.stats import EngineStats  # noqa: E402
 from heron.server.app import ServerSettings  # noqa: E402
 from heron.server.launcher import serve_client  # noqa: E402
 from heron.transport import messages as m  # noqa: E402
@@ -87,7 +88,7 @@ class SlowEngineClient(AsyncEngineClient):
                 self.running[request_id][0] = sent + 1
                 if last:
                     del self.running[request_id]
-            self._route(m.OutputsMsg(deltas, m.StatsMsg(num_running=len(self.running))))
+            self._route(m.OutputsMsg(deltas, EngineStats(num_running=len(self.running))))
             await asyncio.sleep(TOKEN_INTERVAL_S)
 
 

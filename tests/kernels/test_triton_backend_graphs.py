@@ -103,4 +103,4 @@ def test_speculation_replays_plain_decodes_and_runs_verify_steps_eagerly(tmp_pat
     out = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     assert out == [r[0] for r in refs]
     assert CountingEagerGraph.replays > 0
-    assert llm.engine.stats()["spec_decode"]["num_accepted_tokens"] > 0
+    assert llm.engine.stats().spec_decode.num_accepted_tokens > 0

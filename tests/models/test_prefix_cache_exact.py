@@ -58,7 +58,7 @@ def test_warm_cache_hits_are_exact(shared, policy):
     assert all(c >= SYSTEM_LEN // BLOCK * BLOCK for c in cached[1:5])
     assert cached[5] == 28 and cached[6] == 36  # prefixes: capped to leave one token to compute
     stats = llm.engine.stats()
-    assert stats["prefix_cache_hits"] >= sum(cached)
+    assert stats.prefix_cache.hits >= sum(cached)
     _assert_all_blocks_available(llm)
 
 
@@ -70,10 +70,10 @@ def test_preempting_requests_that_share_a_prefix_is_exact(shared):
     outputs = llm.generate(prompts, GREEDY)
     _check(outputs, refs)
     stats = llm.engine.stats()
-    assert stats["num_preemptions"] > 0
-    assert stats["prefix_cache_hits"] > 0
+    assert stats.scheduler.num_preemptions > 0
+    assert stats.prefix_cache.hits > 0
     _assert_all_blocks_available(llm)
-    assert llm.reset_prefix_cache() == stats["num_cached_blocks"] > 0
+    assert llm.reset_prefix_cache() == stats.num_cached_blocks > 0
     assert llm.engine.kv_cache.pool.num_free_blocks == llm.engine.kv_cache.num_blocks
 
 
@@ -86,8 +86,8 @@ def test_cache_off_gives_the_same_outputs_and_computes_every_token(shared):
     _check(outputs, refs)
     assert all(out.num_cached_tokens == 0 for out in outputs)
     stats = llm.engine.stats()
-    assert stats["prefix_cache_hits"] == 0 and stats["num_cached_blocks"] == 0
-    assert stats["num_prefill_tokens"] == len(prompts[0]) + sum(len(p) for p in prompts)
+    assert stats.prefix_cache.hits == 0 and stats.num_cached_blocks == 0
+    assert stats.scheduler.num_prefill_tokens == len(prompts[0]) + sum(len(p) for p in prompts)
 
 
 def test_next_chat_turn_reuses_the_generated_blocks(shared):
@@ -109,7 +109,7 @@ def test_parallel_samples_prefill_the_prompt_once(shared):
     out = llm.generate(prompt, params)[0]
     assert all(c.token_ids == refs[4][0] for c in out.outputs)
     # the first sibling computes the prompt; the others only the last partial block
-    computed = llm.engine.stats()["num_prefill_tokens"]
+    computed = llm.engine.stats().scheduler.num_prefill_tokens
     tail = len(prompt) - (len(prompt) - 1) // BLOCK * BLOCK
     assert computed == len(prompt) + (n - 1) * tail
     _assert_all_blocks_available(llm)

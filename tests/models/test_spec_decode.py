@@ -76,10 +76,10 @@ def test_greedy_is_identical_with_speculation(arch, method, tiny_dirs, eagle_dir
     spec = _spec(method, tiny_dirs[arch], eagle_dirs, arch)
     out, stats = _generate(tiny_dirs[arch], PROMPTS, num_kv_blocks=96, speculative_config=spec)
     assert out == reference[arch]
-    drafts = stats["spec_decode"]
-    assert drafts["num_draft_tokens"] > 0, "nothing was drafted"
+    drafts = stats.spec_decode
+    assert drafts.num_draft_tokens > 0, "nothing was drafted"
     if method == "draft":
-        assert drafts["acceptance_rate"] == 1.0  # the target drafting for itself
+        assert drafts.acceptance_rate == 1.0  # the target drafting for itself
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -92,10 +92,10 @@ def test_greedy_is_identical_under_chunking_preemption_and_prefix_hits(
     out, stats = _generate(tiny_dirs[arch], prompts, max_model_len=160, num_kv_blocks=20,
                            max_num_batched_tokens=12, speculative_config=spec)
     assert out == reference[arch] * 2
-    assert stats["num_preemptions"] > 0
-    assert stats["prefix_cache_hits"] > 0
-    assert stats["spec_decode"]["num_draft_tokens"] > 0
-    assert stats["num_free_blocks"] == stats["num_blocks"]  # every block came back
+    assert stats.scheduler.num_preemptions > 0
+    assert stats.prefix_cache.hits > 0
+    assert stats.spec_decode.num_draft_tokens > 0
+    assert stats.num_free_blocks == stats.num_blocks  # every block came back
 
 
 def test_speculation_crosses_the_process_boundary(tiny_dirs, reference):
@@ -104,7 +104,7 @@ def test_speculation_crosses_the_process_boundary(tiny_dirs, reference):
     out, stats = _generate(tiny_dirs["llama"], PROMPTS, num_kv_blocks=96,
                            speculative_config=spec, distributed_executor_backend="mp")
     assert out == reference["llama"]
-    assert stats["spec_decode"]["acceptance_rate"] == 1.0
+    assert stats.spec_decode.acceptance_rate == 1.0
 
 
 def test_seeded_sampling_repeats_with_speculation(tiny_dirs):
@@ -117,7 +117,7 @@ def test_seeded_sampling_repeats_with_speculation(tiny_dirs):
                               speculative_config=spec)
     assert first == second
     assert all(len(t) == 30 for t in first)
-    assert stats["spec_decode"]["num_accepted_tokens"] > 0
+    assert stats.spec_decode.num_accepted_tokens > 0
 
 
 def test_disable_by_batch_size_turns_speculation_off(tiny_dirs):
@@ -127,9 +127,9 @@ def test_disable_by_batch_size_turns_speculation_off(tiny_dirs):
                            speculative_config=spec)
     single, single_stats = _generate(tiny_dirs["llama"], PROMPTS[:1], num_kv_blocks=96,
                                      speculative_config=spec)
-    assert single_stats["spec_decode"]["num_draft_tokens"] > 0  # alone: it speculates
+    assert single_stats.spec_decode.num_draft_tokens > 0  # alone: it speculates
     # ten at once: drafts only once fewer than two are left running
-    assert stats["spec_decode"]["num_drafts"] < single_stats["spec_decode"]["num_drafts"] * 2
+    assert stats.spec_decode.num_drafts < single_stats.spec_decode.num_drafts * 2
     assert single == out[:1]
 
 
@@ -169,11 +169,11 @@ def test_real_smollm2_greedy_is_identical_with_ngram_and_layer_skip(smollm2):
         llm = LLM(max_model_len=2048, max_num_batched_tokens=256, max_num_seqs=8,
                   speculative_config=spec)
         got = llm.generate([prompt], params)[0].outputs[0].token_ids
-        stats = llm.engine.stats()["spec_decode"]
+        stats = llm.engine.stats().spec_decode
         assert got == want, spec["method"]
-        assert stats["num_draft_tokens"] > 0
+        assert stats.num_draft_tokens > 0
         if spec["method"] == "ngram":
-            assert stats["acceptance_rate"] > 0.3  # copying: most drafts are right
+            assert stats.acceptance_rate > 0.3  # copying: most drafts are right
         llm.engine.shutdown()
 
 
@@ -203,7 +203,7 @@ def test_greedy_is_identical_with_tree_verification(arch, method, backend, tiny_
     out, stats = _generate(tiny_dirs[arch], PROMPTS, num_kv_blocks=96,
                            speculative_config=spec, attention_backend=backend)
     assert out == reference[arch]
-    assert stats["spec_decode"]["num_drafts"] > 0
+    assert stats.spec_decode.num_drafts > 0
     if method == "layer_skip":  # (an untrained EAGLE head rarely has the target's token)
         assert accepted_siblings, "no sibling candidate was accepted"
 

@@ -13,11 +13,13 @@ import signal
 import time
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from heron import LLM, SamplingParams
 from heron.config import CacheConfig, EngineConfig, SchedulerConfig
 from heron.engine.core_outputs import RequestOutputKind
 from heron.outputs import OutputAccumulator
+from heron.server.metrics import ServerMetrics
 from heron.transport.async_client import AsyncEngineClient, EngineDeadError
 
 TINY = dict(max_model_len=256, max_num_batched_tokens=64, max_num_seqs=16, num_kv_blocks=64)
@@ -159,7 +161,7 @@ def test_abort_frees_all_blocks(loop, tiny_client):
             pass
 
     async def body():
-        before = tiny_client.stats()["num_generation_tokens_total"]
+        before = tiny_client.stats().num_generation_tokens_total
         gens = [tiny_client.generate(f"ab{i}", [9 + i] * 20, long) for i in range(4)]
         for gen in gens:  # two outputs each, then close: the client disconnected
             await anext(gen)
@@ -174,10 +176,10 @@ def test_abort_frees_all_blocks(loop, tiny_client):
         await tiny_client.abort("ab-explicit")
         rest = [out async for out in gen]
         assert rest[-1].finished and rest[-1].outputs[0].finish_reason == "abort"
-        await _wait_for_stats(tiny_client, lambda s: s["num_free_blocks"] == s["num_blocks"]
-                              and s["num_running"] == 0 and s["num_waiting"] == 0
-                              and s["num_unfinished_requests"] == 0)
-        generated = tiny_client.stats()["num_generation_tokens_total"] - before
+        await _wait_for_stats(tiny_client, lambda s: s.num_free_blocks == s.num_blocks
+                              and s.num_running == 0 and s.num_waiting == 0
+                              and s.num_unfinished_requests == 0)
+        generated = tiny_client.stats().num_generation_tokens_total - before
         assert generated < 2 * 200  # the six aborted requests stopped early (1200 if not)
 
     _run(loop, body())
@@ -198,8 +200,31 @@ def test_bad_requests_are_rejected_and_serving_continues(loop, tiny_client, tiny
 
     outs = _run(loop, body())
     _assert_same(outs[-1], tiny_llm.generate([[5, 6, 7]], GREEDY)[0])
-    assert tiny_client.stats()["num_requests_rejected_total"] >= 3
+    assert tiny_client.stats().num_requests_rejected_total >= 3
     assert tiny_client.is_alive()
+
+
+def test_engine_stats_arrive_typed_and_feed_the_metrics(loop, tiny_client):
+    """The core's EngineStats cross typed; its histograms grow with the steps, and the
+    server's /metrics renders them."""
+    before = tiny_client.stats()
+    prompt = [5, 6, 7, 8]
+    _run(loop, _collect(tiny_client, "stats-flow", prompt, GREEDY))
+    after = tiny_client.stats()
+    steps = after.step_time.count - before.step_time.count
+    assert steps >= GREEDY.max_tokens  # one prefill and a decode per further token, at least
+    tokens = after.scheduler.step_tokens
+    assert tokens.count - before.scheduler.step_tokens.count == steps
+    assert tokens.sum - before.scheduler.step_tokens.sum == len(prompt) + GREEDY.max_tokens - 1
+    assert after.scheduler.queue_time.count == before.scheduler.queue_time.count + 1
+    metrics = ServerMetrics()
+    metrics.update_engine_stats(after)
+    rendered = {s.name: s.value for fam in text_string_to_metric_families(
+        metrics.render()[0].decode()) for s in fam.samples if "le" not in s.labels}
+    assert rendered["heron:engine_step_time_seconds_count"] == after.step_time.count
+    assert rendered["heron:iteration_tokens_total_sum"] == tokens.sum
+    assert rendered["heron:request_queue_time_seconds_count"] == after.scheduler.queue_time.count
+    assert after.ranks == []  # the in-process worker reports no ranks
 
 
 def test_killed_core_raises_engine_dead_error(loop, tiny):

@@ -13,6 +13,7 @@ import pytest
 from fake_core import offline_client, sent
 from heron import SamplingParams
 from heron.engine.core_outputs import RequestOutputKind, SequenceDelta
+from heron.engine.stats import EngineStats
 from heron.transport import messages as m
 from heron.transport.async_client import RequestFailedError
 
@@ -21,7 +22,7 @@ A, B, C, D, E = range(5)  # tokens of the letters a..e
 
 def _outputs(request_id, *deltas):
     return m.OutputsMsg([SequenceDelta(request_id, i, list(t), **kw) for i, t, kw in deltas],
-                        m.StatsMsg())
+                        EngineStats())
 
 
 async def _start(client, request_id, params, **kw):

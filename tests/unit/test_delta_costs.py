@@ -20,6 +20,7 @@ import pytest
 from fake_core import LetterTokenizer, offline_client
 from heron import SamplingParams
 from heron.engine.core_outputs import RequestOutputKind, SequenceDelta
+from heron.engine.stats import EngineStats
 from heron.engine.detokenizer import IncrementalDetokenizer
 from heron.outputs import CompletionOutput, RequestOutput
 from heron.server import serving_completions
@@ -69,7 +70,7 @@ def _delta_outputs(request_id: str, length: int) -> list[RequestOutput]:
 
 def _messages(request_id: str, length: int, logprobs: bool) -> list[m.OutputsMsg]:
     """What the core sends for one request: one new token per step."""
-    stats, msgs = m.StatsMsg(), []
+    stats, msgs = EngineStats(), []
     for i in range(length):
         token = 10 + i % 200
         delta = SequenceDelta(request_id, 0, [token])

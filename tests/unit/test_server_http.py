@@ -12,6 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from heron.engine.stats import EngineStats
 from heron.server.app import ServerSettings, build_app
 from heron.server.failures import classify
 from heron.server.settings import CorsOptions, HttpOptions, OpenAIOptions
@@ -29,8 +30,8 @@ class FakeClient:
     def is_alive(self) -> bool:
         return True
 
-    def stats(self) -> dict:
-        return {}
+    def stats(self) -> EngineStats:
+        return EngineStats()
 
     def reset_prefix_cache(self) -> None:
         self.resets += 1

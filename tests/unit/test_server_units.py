@@ -9,6 +9,7 @@ import pydantic
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from heron.engine.stats import EngineStats, SchedulerStats
 from heron.server.admission import AdmissionController, Overloaded
 from heron.server.errors import RequestValidationError, error_body, pydantic_error_message
 from heron.server.metrics import ServerMetrics, cost_per_million_tokens
@@ -208,10 +209,13 @@ def test_metrics_render_and_counters_move():
     m.observe_request_finished(prompt_tokens=10, completion_tokens=4, arrival=0.0,
                                first_token=0.5, finish=1.1, queue_time=0.2,
                                finish_reason="length", token_times=[0.5, 0.7, 0.9, 1.1])
-    m.update_engine_stats({"num_running": 3, "num_waiting": 2, "kv_cache_usage": 0.25,
-                           "num_preemptions": 2, "num_prompt_tokens_total": 10,
-                           "num_generation_tokens_total": 1})
-    m.update_engine_stats({"num_preemptions": 5, "num_generation_tokens_total": 4})
+    engine = EngineStats(num_running=3, num_waiting=2, kv_cache_usage=0.25,
+                         num_prompt_tokens_total=10, num_generation_tokens_total=1,
+                         scheduler=SchedulerStats(num_preemptions=2))
+    m.update_engine_stats(engine)
+    engine.scheduler.num_preemptions, engine.num_generation_tokens_total = 5, 4
+    engine.scheduler.queue_time.observe(0.2)  # the engine observes queue time
+    m.update_engine_stats(engine)
     m.record_rejection(429)
     s = samples(m)
     assert s[("heron:prompt_tokens_total", ())] == 10
