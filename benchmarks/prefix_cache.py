@@ -89,10 +89,10 @@ def measure(workload: str, enable: bool, args) -> dict:
     ttfts_sorted = sorted(ttfts)
     return {
         "workload": workload, "prefix_cache": enable, "requests": len(ttfts),
-        "prompt_tokens": after["prefix_cache_queries"] - before["prefix_cache_queries"]
+        "prompt_tokens": after.prefix_cache.queries - before.prefix_cache.queries
         if enable else None,
-        "prefill_tokens": after["num_prefill_tokens"] - before["num_prefill_tokens"],
-        "hit_tokens": after["prefix_cache_hits"] - before["prefix_cache_hits"],
+        "prefill_tokens": after.scheduler.num_prefill_tokens - before.scheduler.num_prefill_tokens,
+        "hit_tokens": after.prefix_cache.hits - before.prefix_cache.hits,
         "ttft_mean_s": statistics.fmean(ttfts),
         "ttft_p50_s": ttfts_sorted[len(ttfts) // 2],
         "ttft_p90_s": ttfts_sorted[min(len(ttfts) - 1, int(0.9 * len(ttfts)))],

@@ -24,7 +24,7 @@ with the chat template applied; both engines get the same ids. Requests are gree
 at EOS or ``--max-tokens``; greedy speculation is lossless, so every "on" configuration
 should reproduce the "off" outputs token for token (the ``same as off`` column).
 
-Acceptance figures come from ``llm.engine.stats()["spec_decode"]`` (differences around each
+Acceptance figures come from ``llm.engine.stats().spec_decode`` (differences around each
 timed call): acceptance rate = accepted / drafted tokens; mean acceptance length = tokens a
 verifying step yields per sequence (accepted + the bonus token); per position = share of
 drafts whose i-th token was accepted. vLLM's come from its ``vllm:spec_decode_*`` counters.
@@ -50,7 +50,7 @@ import sys
 import tempfile
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -281,7 +281,8 @@ def chunk_prompts(llm, n: int, max_prompt: int = 520, lines: int = 40) -> list[d
 
 # ---- heron -------------------------------------------------------------------------------
 def spec_snapshot(llm) -> dict | None:
-    return llm.engine.stats().get("spec_decode")
+    counts = llm.engine.stats().spec_decode
+    return asdict(counts) if counts is not None else None
 
 
 def spec_delta(before: dict | None, after: dict | None) -> dict | None:

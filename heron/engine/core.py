@@ -313,9 +313,13 @@ class EngineCore:
     # ---- introspection -------------------------------------------------------------------
     def stats(self) -> EngineStats:
         """A snapshot of the engine's stats (``heron.engine.stats``)."""
+        return snapshot(self.live_stats())
+
+    def live_stats(self) -> EngineStats:
+        """The engine's stats sharing the parts that go on changing: encode them at once."""
         cache, sched = self.kv_cache.prefix_cache, self.scheduler
         unfinished = self.num_unfinished_requests
-        return snapshot(EngineStats(
+        return EngineStats(
             timestamp=time.monotonic(), num_running=len(sched.running),
             num_waiting=len(sched.waiting), num_unfinished_requests=unfinished,
             kv_cache_usage=float(self.kv_cache.usage),
@@ -328,4 +332,4 @@ class EngineCore:
             prefix_cache=cache.stats if cache else PrefixCacheStats(),
             prefix_cache_enabled=cache is not None,
             spec_decode=sched.spec_stats if self.config.speculative else None,
-            step_time=self._step_time, ranks=self.executor.rank_stats()))
+            step_time=self._step_time, ranks=self.executor.rank_stats())

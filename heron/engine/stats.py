@@ -1,8 +1,8 @@
 """The engine's stats: one typed struct from the core to ``/metrics`` and ``/stats``.
 
 ``EngineCore.stats()`` returns an ``EngineStats`` snapshot (nothing in it changes later). The
-core process encodes it into every ``OutputsMsg``; the API process decodes it typed, serves it
-as JSON on ``/stats`` and derives the Prometheus metrics from it
+core process encodes it (``live_stats()``: no copy) into every ``OutputsMsg``; the API process
+decodes it typed, serves it as JSON on ``/stats`` and derives the Prometheus metrics from it
 (``heron.server.engine_metrics.ENGINE_METRICS``: one row per metric). Its parts are kept where
 their values are known and copied in: ``SchedulerStats`` by the scheduler,
 ``PrefixCacheStats`` by the prefix cache, ``SpecDecodingStats`` by the scheduler as it applies

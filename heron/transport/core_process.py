@@ -58,7 +58,7 @@ class CoreServer:
             if self.kv_events is not None:
                 self.kv_events.publish(self.core.take_kv_events())
             if deltas or changed or time.monotonic() - self.last_send >= STATS_INTERVAL_S:
-                self._send(m.OutputsMsg(deltas, self.core.stats()))
+                self._send(m.OutputsMsg(deltas, self.core.live_stats()))  # encoded at once
         logger.info("parent process is gone: engine core exits")
 
     # ---- input ---------------------------------------------------------------------------
