@@ -16,6 +16,10 @@ picks per call by the number of rows; ``dual=False`` keeps only the packed copy 
 the loader yet). Where torch lacks oneDNN, ``loader.weights.optimize_layout`` keeps the
 column-major weight alone and ``F.linear`` runs.
 
+The layer reaches it through the method seam (``quant.base``): ``use_cpu_gemm`` swaps a float
+layer's method (a linear layer's or the LM head's) for a ``CpuGemmMethod`` holding the
+``CpuGemm``, and ``drop_cpu_gemm`` swaps the plain one back.
+
 Batch invariance: the two forms round differently, so a row's result depends on how many
 rows share the call (1-3 vs 4+: a last-bit difference, enough to flip a greedy near-tie).
 oneDNN's packed form alone gives every row the same bits whatever the row count (checked by
@@ -29,6 +33,9 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+
+from heron.quant.base import UnquantizedEmbeddingMethod, UnquantizedLinearMethod
 
 GEMV_MAX_ROWS = 3  # up to this many rows the column-major copy is used
 BATCH_INVARIANT = False  # True: the packed form for every row count (see the docstring)
@@ -58,3 +65,38 @@ class CpuGemm:
         if self.gemv is not None and x.shape[0] <= GEMV_MAX_ROWS and not BATCH_INVARIANT:
             return F.linear(x, self.gemv, bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
+
+
+class CpuGemmMethod(UnquantizedEmbeddingMethod):
+    """A float32 weight multiplied through its ``CpuGemm`` (``gemm``); the layer's ``weight``
+    is the column-major copy. Serves a linear layer or an LM head (and, the weight being
+    plain, a table's lookups); ``plain`` is the method it replaced (``drop_cpu_gemm``)."""
+
+    def __init__(self, gemm: CpuGemm, plain: UnquantizedLinearMethod) -> None:
+        self.gemm, self.plain = gemm, plain
+
+    def apply(self, layer, x, bias=None):
+        return self.gemm(x, bias)
+
+
+def use_cpu_gemm(layer: nn.Module) -> None:
+    """Give a layer with a plain float method (``UnquantizedLinearMethod``) its CPU layouts:
+    a float32 weight a ``CpuGemmMethod`` (both copies; ``weight`` becomes the column-major
+    one) where oneDNN is there, else only the column-major weight for ``F.linear``."""
+    weight = layer.weight.data
+    if weight.dtype == torch.float32 and packing_available():
+        gemm = CpuGemm(weight, dual=True)
+        layer.quant_method = CpuGemmMethod(gemm, layer.quant_method)
+        layer.weight.data = gemm.gemv
+    else:
+        layer.weight.data = weight.t().contiguous().t()
+
+
+def drop_cpu_gemm(module: nn.Module) -> None:
+    """Every layer under ``module`` back to its plain method (``F.linear`` on the column-major
+    weight): for callers that pack the weights themselves (inductor's freezing) or that need
+    autograd through the matmul."""
+    for layer in module.modules():
+        method = getattr(layer, "quant_method", None)
+        if isinstance(method, CpuGemmMethod):
+            layer.quant_method = method.plain

@@ -6,7 +6,8 @@ A layer knows its shapes and its slice: ``in_features`` / ``out_features`` (this
 starts in the checkpoint (``shard_start``, ``input_start``). Its method creates the
 parameters (each with a ``ParamLayout``), repacks them after loading and runs the matmul; the
 default is ``UnquantizedLinearMethod``, and ``set_quant_method`` swaps in another while the
-model is still on the meta device.
+model is still on the meta device (on CPU, ``layers.cpu_gemm.use_cpu_gemm`` swaps a float32
+layer's for its packed-weight method once loaded). ``forward`` only calls the method.
 
 ``load_weight(param, tensor, shard_id)`` copies a checkpoint tensor (plain, or a
 ``loader.lazy_tensor.LazyTensor`` not read yet) into a parameter: it narrows the tensor to
@@ -26,7 +27,6 @@ from torch import nn
 
 from heron.distributed import get_tp_group
 from heron.distributed.parallel_state import divide, kv_heads_per_rank
-from heron.layers.cpu_gemm import CpuGemm
 from heron.quant.base import VECTOR, LinearMethod, UnquantizedLinearMethod, add_param
 
 
@@ -52,7 +52,6 @@ class ReplicatedLinear(nn.Module):
         self.param_layouts: dict = {}
         self.optional_params: set[str] = set()
         self.loaded_params: set[str] = set()  # names load_weight has filled
-        self.cpu_gemm: CpuGemm | None = None  # set on CPU by loader.weights.optimize_layout
         if bias:
             add_param(self, "bias", (out_features,), torch.get_default_dtype(), VECTOR)
         else:

@@ -9,13 +9,13 @@ from torch import nn
 
 from heron.distributed import get_pp_group
 from heron.distributed.pipeline import MissingLayer
-from heron.layers.cpu_gemm import CpuGemm, packing_available
-from heron.layers.embedding import ParallelLMHead
+from heron.layers.cpu_gemm import use_cpu_gemm
+from heron.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from heron.layers.linear import ReplicatedLinear, default_weight_loader
 from heron.loader import checkpoint_checks as checks
 from heron.logging_config import progress
 from heron.models import ModelArchConfig, get_model_class
-from heron.quant.base import UnquantizedLinearMethod
+from heron.quant.base import UnquantizedEmbeddingMethod, UnquantizedLinearMethod
 from heron.quant.config import QuantizationConfig
 from heron.quant.gguf_blocks import QuantizedRows
 
@@ -127,15 +127,15 @@ def _is_optional(model: nn.Module, param_name: str) -> bool:
 
 
 def process_weights_after_loading(model: nn.Module) -> None:
-    """Let each layer's method repack what it loaded; a tied LM head shares a quantized
-    embedding table."""
+    """Let each layer's method repack what it loaded; a tied LM head shares the embedding's
+    table and its method (a GGUF table kept quantized included)."""
     for module in model.modules():
         if isinstance(module, ReplicatedLinear):
             module.quant_method.process_weights_after_loading(module)
     _retie(model)
     if model.config.tie_word_embeddings and hasattr(model, "lm_head") and \
             hasattr(model.model, "embed_tokens"):
-        model.lm_head.quantized = model.model.embed_tokens.quantized
+        model.lm_head.quant_method = model.model.embed_tokens.quant_method
 
 
 def _on_other_stage(model: nn.Module, param_name: str) -> bool:
@@ -174,26 +174,22 @@ def materialize_weights(model: nn.Module, source, load_format: str, dtype: torch
         raise ValueError(f"load_format must be 'auto' or 'dummy', got {load_format!r}")
 
 
+_PLAIN_METHODS = (UnquantizedLinearMethod, UnquantizedEmbeddingMethod)
+
+
 def optimize_layout(model: nn.Module, device: torch.device) -> None:
-    """On CPU, keep each float32 projection weight in two layouts (``layers.cpu_gemm``):
-    column-major (a transposed view of a contiguous (in, out) buffer), which MKL's GEMV
-    streams fastest and which bounds single-sequence decode, and oneDNN's packed layout for
-    steps of several rows. Without oneDNN (or for other dtypes) only the column-major one."""
+    """On CPU, keep each float32 projection weight (linear layers, the LM head) in two layouts
+    behind a ``layers.cpu_gemm.CpuGemmMethod``: column-major (a transposed view of a
+    contiguous (in, out) buffer), which MKL's GEMV streams fastest and which bounds
+    single-sequence decode, and oneDNN's packed layout for steps of several rows. Without
+    oneDNN (or for other dtypes) only the column-major one, under the plain method. Layers
+    with any other method (quantized; already prepared) keep theirs."""
     if device.type != "cpu":
         return
     for module in model.modules():
-        if isinstance(module, ReplicatedLinear) and not isinstance(
-                module.quant_method, UnquantizedLinearMethod):
-            continue  # quantized: the method chose its layout
-        if isinstance(module, ParallelLMHead) and module.quantized is not None:
-            continue
-        if isinstance(module, (ReplicatedLinear, ParallelLMHead)):
-            weight = module.weight.data
-            if weight.dtype == torch.float32 and packing_available():
-                module.cpu_gemm = CpuGemm(weight, dual=True)
-                module.weight.data = module.cpu_gemm.gemv
-            else:
-                module.weight.data = weight.t().contiguous().t()
+        if isinstance(module, (ReplicatedLinear, ParallelLMHead)) and \
+                type(module.quant_method) in _PLAIN_METHODS:
+            use_cpu_gemm(module)
     _retie(model)
 
 
@@ -205,11 +201,12 @@ def model_weight_bytes(model: nn.Module) -> int:
         if isinstance(module, ReplicatedLinear):
             total += module.quant_method.weight_bytes(module)
             params = [module.bias] if module.bias is not None else []
+        elif isinstance(module, VocabParallelEmbedding):
+            params = []
+            if id(module.weight) not in seen:  # a tied table (and its method) once
+                seen.add(id(module.weight))
+                total += module.quant_method.weight_bytes(module)
         else:
-            table = getattr(module, "quantized", None)
-            if table is not None and id(table) not in seen:
-                seen.add(id(table))
-                total += table.nbytes
             params = list(module.parameters(recurse=False))
         for p in params:
             if id(p) not in seen:

@@ -4,7 +4,13 @@ A linear layer (``layers.linear``) owns the shapes and the tensor-parallel slice
 owns the rest: which parameters exist (``create_weights``: names as the checkpoint spells
 them, dtypes as it stores them, never cast to the model dtype), what they become after
 loading (``process_weights_after_loading``: repacked for heron's kernels) and the matmul
-(``apply``). ``UnquantizedLinearMethod`` is one method among the others.
+(``apply``). ``UnquantizedLinearMethod`` is one method among the others; on CPU the loader
+swaps a float32 layer's for ``layers.cpu_gemm.CpuGemmMethod`` once its weight is loaded.
+
+A vocabulary table (``layers.embedding``: the token embedding and the LM head) goes through
+the same seam: its method is a ``LinearMethod`` whose ``apply`` is the LM head's matmul, plus
+``embedding(layer, ids)``, the row lookup (``UnquantizedEmbeddingMethod``; a GGUF table kept
+quantized uses ``methods.gguf.GGUFEmbeddingMethod``). The layer owns its float ``weight``.
 
 Each parameter carries a ``ParamLayout``: which of its dimensions index the layer's output and
 input features, and how many features one element there covers (a packing factor, or a
@@ -99,8 +105,7 @@ class LinearMethod:
 
 
 class UnquantizedLinearMethod(LinearMethod):
-    """A float weight (out, in) in the model dtype; on CPU the loader may add a ``CpuGemm``
-    (``loader.weights.optimize_layout``) that the matmul then goes through."""
+    """A float weight (out, in) in the model dtype, multiplied by ``F.linear``."""
 
     name = "unquantized"
 
@@ -108,10 +113,18 @@ class UnquantizedLinearMethod(LinearMethod):
         add_param(layer, "weight", (layer.out_features, layer.in_features), dtype, FULL)
 
     def apply(self, layer, x, bias=None):
-        if layer.cpu_gemm is not None:
-            return layer.cpu_gemm(x, bias)
         return F.linear(x, layer.weight, bias)
 
     def weight_bytes(self, layer) -> int:
         w = layer.weight
         return w.numel() * w.element_size()
+
+
+class UnquantizedEmbeddingMethod(UnquantizedLinearMethod):
+    """A float vocabulary table ``weight`` (rows, hidden) in the model dtype (the layer creates
+    it; ``create_weights`` is not called): rows gathered by token id; as an LM head,
+    ``F.linear`` (hidden (N, hidden) -> (N, rows))."""
+
+    def embedding(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+        """ids (T,) local row ids -> (T, hidden) rows of the table."""
+        return F.embedding(ids, layer.weight)

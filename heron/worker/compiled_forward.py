@@ -28,6 +28,8 @@ import types
 
 import torch
 
+from heron.layers.cpu_gemm import drop_cpu_gemm
+
 
 def _own_forward(model, name: str):
     """``model(input_ids, positions)`` as a function with a code object of its own. Dynamo
@@ -52,9 +54,7 @@ def compile_forward(model, *, freeze_batched: bool = True):
     """
     import torch._inductor.config as inductor_config
 
-    for module in model.modules():  # inductor packs (freezes) the weights itself
-        if getattr(module, "cpu_gemm", None) is not None:
-            module.cpu_gemm = None
+    drop_cpu_gemm(model)  # inductor packs (freezes) the weights itself
 
     one = torch.compile(_own_forward(model, "heron_forward_one_token"), dynamic=False,
                         fullgraph=True)

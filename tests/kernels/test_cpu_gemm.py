@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from heron.layers.cpu_gemm import GEMV_MAX_ROWS, CpuGemm, packing_available
+from heron.layers.cpu_gemm import GEMV_MAX_ROWS, CpuGemm, CpuGemmMethod, packing_available
 
 pytestmark = pytest.mark.skipif(not packing_available(), reason="torch built without oneDNN")
 
@@ -34,6 +34,8 @@ def test_loaded_models_use_both_layouts(tmp_path):
     llm = LLM(str(tmp_path), num_kv_blocks=8, block_size=4)
     model = llm.engine.runner.model
     proj = model.model.layers[0].mlp.gate_up_proj
-    assert proj.cpu_gemm is not None and proj.weight.data_ptr() == proj.cpu_gemm.gemv.data_ptr()
+    method = proj.quant_method
+    assert isinstance(method, CpuGemmMethod)
+    assert proj.weight.data_ptr() == method.gemm.gemv.data_ptr()
     assert proj.weight.stride() == (1, proj.weight.shape[0])  # column-major
-    assert model.lm_head.cpu_gemm is not None
+    assert isinstance(model.lm_head.quant_method, CpuGemmMethod)

@@ -5,6 +5,9 @@ per layer. The projections of a fused layer may use different ggml types (Q4_K_M
 some v projections as Q6_K): they are stored at the widest bit width and the finest group
 size among them, which represents every one exactly. A float tensor in a fused layer (F16 /
 F32 projections) makes the whole layer float.
+
+The vocabulary table (token embedding, and the LM head, tied or not) kept quantized is
+``GGUFEmbeddingMethod``: rows dequantized on lookup, the grouped-integer matmul as a head.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import torch.nn.functional as F
 
 from heron.quant.base import LinearMethod, ParamLayout, add_param
 from heron.quant.gguf_blocks import QuantizedRows
-from heron.quant.int_layout import GroupedIntWeight, quant_linear
+from heron.quant.int_layout import GroupedIntWeight, quant_linear, unpack_values
 
 
 class GGUFLinearMethod(LinearMethod):
@@ -69,6 +72,40 @@ class GGUFLinearMethod(LinearMethod):
 
     def describe(self) -> str:
         return "gguf"
+
+
+class GGUFEmbeddingMethod(LinearMethod):
+    """A vocabulary shard kept quantized: one ``GroupedIntWeight`` ``table`` (shard rows,
+    hidden), zero rows past the real vocabulary; the layer's float ``weight`` stays empty
+    (only its dtype is read). A tied LM head shares this method, and so the table."""
+
+    name = "gguf"
+
+    def __init__(self, table: GroupedIntWeight) -> None:
+        self.table = table
+
+    @classmethod
+    def from_rows(cls, rows: QuantizedRows, shard_rows: int) -> GGUFEmbeddingMethod:
+        """This rank's rows (real vocabulary only), padded with zero rows to ``shard_rows``."""
+        pad = shard_rows - rows.shape[0]
+        q, scales, mins = (F.pad(t, (0, 0, 0, pad)) for t in (rows.q, rows.scales, rows.mins))
+        return cls(GroupedIntWeight.from_values(q, scales, mins, rows.group_size, rows.bits))
+
+    def embedding(self, layer, ids: torch.Tensor) -> torch.Tensor:
+        """ids (T,) local row ids -> (T, hidden) dequantized rows in the layer's dtype."""
+        w = self.table
+        q = unpack_values(w.qweight[ids], w.bits, w.in_features).to(torch.float32)
+        q = q.view(ids.shape[0], -1, w.group_size)  # (T, groups, group_size)
+        rows = q * w.scales[ids].unsqueeze(-1) + w.mins[ids].unsqueeze(-1)
+        return rows.view(ids.shape[0], w.in_features).to(layer.weight.dtype)
+
+    def apply(self, layer, x, bias=None):
+        """x (N, hidden) -> float32 (N, shard rows): the LM head's logits."""
+        y = quant_linear(x, self.table)
+        return y if bias is None else y + bias
+
+    def weight_bytes(self, layer) -> int:
+        return self.table.nbytes
 
 
 def _plain(tensor) -> torch.Tensor:
