@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from hf_reference import make_tiny_model
 from heron.attention.metadata import AttentionMetadata, ForwardContext, forward_context
 from heron.attention.torch_backend import TorchAttentionBackend
+from heron.layers.cpu_gemm import drop_cpu_gemm
 from heron.speculative.eagle_checkpoint import load_eagle_head, save_eagle_head
 from heron.speculative.eagle_head import build_eagle_head, init_from_target
 from heron.training.lm_head_loss import lm_head_cross_entropy
@@ -141,7 +142,7 @@ def test_lm_head_cross_entropy_matches_autograd(tmp_path, optimized):
     make_tiny_model("llama", tmp_path)
     target, arch, _, _ = load_target(str(tmp_path))
     if not optimized:  # a plain F.linear head that autograd can differentiate
-        target.lm_head.cpu_gemm = None
+        drop_cpu_gemm(target.lm_head)
     hidden = torch.randn(17, arch.hidden_size, requires_grad=True)
     tokens = torch.randint(0, arch.vocab_size, (17,))
     loss, correct = lm_head_cross_entropy(hidden, tokens, target)
