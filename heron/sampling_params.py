@@ -1,11 +1,17 @@
-"""Per-request sampling parameters, validated at construction."""
+"""Per-request sampling parameters, validated once: when they are built.
+
+The params cross every boundary as this one dataclass (msgspec encodes and decodes it: the
+API process -> the engine core's ``AddRequest`` -> the ``Request`` -> the step's
+``NewRequest`` -> the worker). Building them in Python (a caller, the HTTP edge,
+``dataclasses.replace``) normalizes and validates; decoding them in another heron process
+only checks the field types, as they were validated where they were built.
+"""
 
 from __future__ import annotations
 
-import dataclasses
+import functools
 import math
 from dataclasses import dataclass
-from typing import Any
 
 # Hard limits that keep a single request from exhausting host memory.
 MAX_LOGPROBS = 20
@@ -23,6 +29,23 @@ def child_seed(seed: int, index: int) -> int:
     return (seed + index) % 2**64
 
 
+def _checked_when_built(cls):
+    """Run ``cls._normalize`` and ``cls._validate`` after the dataclass's generated
+    ``__init__``: whenever Python code builds params, never when msgspec decodes them (it
+    does not call ``__init__``; it would call a ``__post_init__``)."""
+    generated = cls.__init__
+
+    @functools.wraps(generated)
+    def __init__(self, *args, **kwargs) -> None:
+        generated(self, *args, **kwargs)
+        self._normalize()
+        self._validate()
+
+    cls.__init__ = __init__
+    return cls
+
+
+@_checked_when_built
 @dataclass
 class SamplingParams:
     """What to generate and how to pick each token.
@@ -52,14 +75,13 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
 
-    def __post_init__(self) -> None:
+    def _normalize(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
-        self._validate()
 
     def _validate(self) -> None:
         def check(cond: bool, msg: str) -> None:
@@ -115,12 +137,3 @@ class SamplingParams:
         return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
                 or self.frequency_penalty != 0.0)
 
-
-def params_to_dict(params: SamplingParams) -> dict[str, Any]:
-    """The init fields of ``params`` as plain msgpack-able values (for the process boundary)."""
-    return {f.name: getattr(params, f.name) for f in dataclasses.fields(params) if f.init}
-
-
-def params_from_dict(data: dict[str, Any]) -> SamplingParams:
-    """Rebuild (and re-validate: ValueError on bad values) ``SamplingParams``."""
-    return SamplingParams(**data)

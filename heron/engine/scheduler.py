@@ -55,7 +55,6 @@ from heron.engine.request import Request, RequestStatus
 from heron.engine.sequence_deltas import sequence_delta
 from heron.engine.stats import SchedulerStats
 from heron.speculative.stats import SpecDecodingStats
-from heron.sampling_params import params_to_dict
 from heron.worker.step import ModelRunnerOutput, NewRequest, SchedulerOutput, num_rejected
 
 logger = logging.getLogger(__name__)
@@ -475,6 +474,6 @@ class Scheduler:
 
 def _new_request(request: Request) -> NewRequest:
     return NewRequest(request.request_id, request.prompt_token_ids,
-                      params_to_dict(request.params), list(request.block_ids),
+                      request.params, list(request.block_ids),
                       request.num_computed_tokens, list(request.eos_token_ids),
                       request.generator_seed)

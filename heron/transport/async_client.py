@@ -181,7 +181,7 @@ class AsyncEngineClient:
         self._streams[request_id] = queue
         finished = False
         try:
-            self._send(m.AddRequest(request_id, prompt_token_ids, m.params_to_dict(params),
+            self._send(m.AddRequest(request_id, prompt_token_ids, params,
                                     time.monotonic(), cache_salt))
             while not finished:
                 items = [await queue.get()]

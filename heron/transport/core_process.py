@@ -88,9 +88,8 @@ class CoreServer:
 
     def _add(self, msg: m.AddRequest) -> None:
         try:
-            params = m.params_from_dict(msg.params)
             # time in queue counts from the API side's receipt
-            self.core.add_request(msg.request_id, msg.prompt_token_ids, params,
+            self.core.add_request(msg.request_id, msg.prompt_token_ids, msg.params,
                                   arrival_time=msg.arrival_time, cache_salt=msg.cache_salt)
         except Exception as exc:  # ValueError for bad input; anything else is logged too
             if not isinstance(exc, ValueError):

@@ -17,8 +17,7 @@ logprobs, no text; the client's ``OutputProcessor`` makes text, stop strings and
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Any, Union
+from typing import Union
 
 import msgspec
 
@@ -31,7 +30,7 @@ from heron.sampling_params import SamplingParams
 class AddRequest(msgspec.Struct, tag=True):
     request_id: str
     prompt_token_ids: list[int]
-    params: dict[str, Any]  # SamplingParams init fields (see params_to_dict)
+    params: SamplingParams  # validated where it was built (msgspec only checks the types)
     arrival_time: float  # time.monotonic() in the API process (same clock in the core)
     cache_salt: str | None = None  # prefix-cache namespace (tenant isolation)
 
@@ -89,13 +88,3 @@ class Heartbeat(msgspec.Struct, tag=True):
 
 OutputMsg = Union[ReadyMsg, OutputsMsg, ErrorMsg, Heartbeat]
 
-
-# ---- conversions ------------------------------------------------------------------------------
-def params_to_dict(params: SamplingParams) -> dict[str, Any]:
-    """The init fields of ``params`` as plain msgpack-able values."""
-    return {f.name: getattr(params, f.name) for f in dataclasses.fields(params) if f.init}
-
-
-def params_from_dict(data: dict[str, Any]) -> SamplingParams:
-    """Rebuild (and re-validate: ValueError on bad values) ``SamplingParams``."""
-    return SamplingParams(**data)

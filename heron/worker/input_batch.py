@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from heron.sampling_params import SamplingParams, params_from_dict
+from heron.sampling_params import SamplingParams
 from heron.worker.batch import HostBatch
 from heron.worker.step import CachedRequests, NewRequest, SchedulerOutput
 
@@ -91,7 +91,7 @@ class InputBatch:
         if new.generator_seed is not None:
             generator = torch.Generator().manual_seed(new.generator_seed)
         state = SequenceState(new.req_id, -1, list(new.prompt_token_ids),
-                              params_from_dict(new.params), tuple(new.eos_token_ids), generator,
+                              new.params, tuple(new.eos_token_ids), generator,
                               num_computed_tokens=new.num_computed_tokens)
         self._take_row(state)
         self._append_blocks(state.row, new.block_ids)

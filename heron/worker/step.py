@@ -15,9 +15,9 @@ an identical cached one is sent its table again from that block on.
 
 from __future__ import annotations
 
-from typing import Any
-
 import msgspec
+
+from heron.sampling_params import SamplingParams
 
 # One position's logprobs: token id -> (logprob, rank in the vocabulary, 1-based).
 Logprobs = dict[int, tuple[float, int]]
@@ -28,7 +28,7 @@ class NewRequest(msgspec.Struct, array_like=True):
 
     req_id: str
     prompt_token_ids: list[int]
-    params: dict[str, Any]  # SamplingParams init fields (sampling_params.params_to_dict)
+    params: SamplingParams  # the request's own (validated where it was built)
     block_ids: list[int]
     num_computed_tokens: int  # > 0 after a prefix-cache hit
     eos_token_ids: list[int]

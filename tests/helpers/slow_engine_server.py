@@ -72,7 +72,7 @@ class SlowEngineClient(AsyncEngineClient):
                 if isinstance(msg, m.AddRequest) and msg.prompt_token_ids == [DIE_TOKEN]:
                     self._mark_dead("the engine core died (exit code -9)")
                 elif isinstance(msg, m.AddRequest):
-                    self.running[msg.request_id] = [0, msg.params.get("max_tokens") or 16]
+                    self.running[msg.request_id] = [0, msg.params.max_tokens or 16]
                 elif isinstance(msg, m.Abort):
                     for request_id in msg.request_ids:
                         self.running.pop(request_id, None)
