@@ -22,6 +22,7 @@ from heron.engine.core_outputs import SequenceDelta
 from heron.engine.isolation import EngineFault, describe, run_isolating
 from heron.engine.kv_cache import KVCacheManager
 from heron.engine.prefix_cache import PrefixCacheStats
+from heron.engine.prompt_rules import check_prompt
 from heron.engine.request import Request, RequestStatus
 from heron.engine.scheduler import Scheduler
 from heron.engine.sequence_deltas import sequence_delta
@@ -66,7 +67,7 @@ class EngineCore:
         par, arch = config.parallel, self.arch
         check_model_fits(arch.num_heads, arch.num_kv_heads, arch.intermediate_size,
                          arch.num_layers, par.tensor_parallel_size, par.pipeline_parallel_size)
-        self.executor = executor or make_executor(config)
+        self.executor = executor or make_executor(config, source)
         info = self.executor.info
         self.max_model_len = info.max_model_len
         self.kv_cache = KVCacheManager(info.num_kv_blocks, config.cache.block_size,
@@ -100,21 +101,6 @@ class EngineCore:
         self.executor.check_health()
 
     # ---- requests ------------------------------------------------------------------------
-    def validate(self, token_ids: list[int], params: SamplingParams) -> None:
-        """ValueError for a prompt or parameters this model cannot take."""
-        if not token_ids:
-            raise ValueError("the prompt is empty")
-        if len(token_ids) >= self.max_model_len:
-            raise ValueError(f"the prompt has {len(token_ids)} tokens but max_model_len is "
-                             f"{self.max_model_len}: no room to generate")
-        vocab = self.arch.vocab_size
-        bad = [t for t in token_ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"token ids out of the vocabulary [0, {vocab}): {bad[:5]}")
-        bad = [t for t in params.stop_token_ids if t >= vocab]
-        if bad:
-            raise ValueError(f"stop_token_ids out of the vocabulary [0, {vocab}): {bad[:5]}")
-
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     arrival_time: float | None = None, cache_salt: str | None = None) -> None:
         """Validate and queue the request's n sequences; ValueError (queueing nothing) for bad
@@ -132,8 +118,7 @@ class EngineCore:
         if request_id in self.sequences:
             raise ValueError(f"duplicate request id {request_id!r}")
         token_ids = list(prompt_token_ids)
-        self.validate(token_ids, params)
-        room = self.max_model_len - len(token_ids)
+        room = check_prompt(token_ids, params, self.max_model_len, self.arch.vocab_size)
         max_tokens = min(params.max_tokens or room, room)
         children = [self._child(request_id, i, token_ids, params, max_tokens)
                     for i in range(params.n)]

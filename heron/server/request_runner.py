@@ -14,6 +14,7 @@ from typing import AsyncIterator
 from fastapi import Request
 
 from heron.engine.core_outputs import RequestOutputKind
+from heron.engine.prompt_rules import PromptError, check_prompt
 from heron.outputs import OutputAccumulator, RequestOutput
 from heron.sampling_params import SamplingParams
 from heron.server.errors import RequestValidationError
@@ -23,37 +24,26 @@ DISCONNECT_POLL_S = 0.25
 logger = logging.getLogger("heron.server.requests")
 
 
-def check_length(prompt_ids: list[int], params: SamplingParams, max_model_len: int) -> None:
-    """Prompt bombs and impossible budgets fail with 400 before any work."""
-    if not prompt_ids:
-        raise RequestValidationError("the prompt is empty", "prompt")
-    room = max_model_len - len(prompt_ids)
-    if room < 1:
-        raise RequestValidationError(
-            f"the prompt has {len(prompt_ids)} tokens but this model's context is "
-            f"{max_model_len} tokens", "prompt")
-    if params.max_tokens is not None and params.max_tokens > room:
-        raise RequestValidationError(
-            f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
-            f"the model's context of {max_model_len} tokens", "max_tokens")
-
-
 def check_request(state, prompts: list[list[int]], params: SamplingParams) -> None:
-    """Everything the engine would refuse, refused here first (HTTP 400): context length,
-    token ids outside the vocabulary, more sequences (prompts x n) than one request may have."""
+    """Everything the engine would refuse, refused here first (HTTP 400): the engine's prompt
+    rules (``check_prompt``), prompt + max_tokens beyond the context (the engine would cut
+    the completion short; OpenAI's API refuses it), more sequences (prompts x n) than one
+    request may have."""
     limit = state.settings.max_sequences_per_request
     if len(prompts) * params.n > limit:
         raise RequestValidationError(
             f"{len(prompts)} prompts x n={params.n} is {len(prompts) * params.n} sequences; "
             f"at most {limit} are allowed per request", "n" if len(prompts) == 1 else "prompt")
-    vocab = state.client.vocab_size
+    max_model_len = state.client.max_model_len
     for ids in prompts:
-        check_length(ids, params, state.client.max_model_len)
-        if max(ids) >= vocab:
-            raise RequestValidationError(f"prompt token ids must be in [0, {vocab})", "prompt")
-    if any(t >= vocab for t in params.stop_token_ids):
-        raise RequestValidationError(f"stop_token_ids must be in [0, {vocab})",
-                                     "stop_token_ids")
+        try:
+            room = check_prompt(ids, params, max_model_len, state.client.vocab_size)
+        except PromptError as exc:
+            raise RequestValidationError(str(exc), exc.param) from None
+        if params.max_tokens is not None and params.max_tokens > room:
+            raise RequestValidationError(
+                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
+                f"the model's context of {max_model_len} tokens", "max_tokens")
 
 
 @dataclass

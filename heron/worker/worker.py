@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from heron.config import EngineConfig, batch_invariant, default_cpu_threads
 from heron.logging_config import startup_phase
-from heron.loader.model_source import resolve_model
+from heron.loader.model_source import ModelSource, resolve_model
 from heron.loader.weights import (build_model, materialize_weights, model_weight_bytes,
                                   optimize_layout)
 from heron.quant.config import resolve_quantization
@@ -42,10 +42,11 @@ def fit_max_model_len(wanted: int, configured: int | None, capacity: int) -> int
 
 class Worker:
     """One rank: a model shard on one device. ``init_method`` (a torch.distributed URL) is
-    needed when the world has more than one rank."""
+    needed when the world has more than one rank; ``source`` is the model as the engine core
+    in this process resolved it (None: the worker resolves it)."""
 
-    def __init__(self, config: EngineConfig, rank: int = 0,
-                 init_method: str | None = None) -> None:
+    def __init__(self, config: EngineConfig, rank: int = 0, init_method: str | None = None,
+                 source: ModelSource | None = None) -> None:
         started = time.monotonic()
         par = config.parallel
         self.rank = rank
@@ -61,7 +62,7 @@ class Worker:
                 cpu_gemm.set_batch_invariant(True)
                 logger.info("batch invariant: float32 projections use one GEMM form for "
                             "every row count (HERON_BATCH_INVARIANT)")
-        model, arch, dtype = self._load_model(config)
+        model, arch, dtype = self._load_model(config, source)
         spec = config.speculative
         draft = load_draft(spec, model, arch, dtype, self.device) if spec else None
         layers = model.kv_cache_layout()[0]
@@ -98,10 +99,12 @@ class Worker:
             phase.detail = f"{blocks} blocks x {config.cache.block_size} tokens"
         return blocks
 
-    def _load_model(self, config: EngineConfig):
-        """Resolve the checkpoint, build this rank's shard and fill it: (model, arch, dtype)."""
+    def _load_model(self, config: EngineConfig, source: ModelSource | None):
+        """Build this rank's shard of the checkpoint (resolved here unless ``source`` is
+        given) and fill it: (model, arch, dtype)."""
         with startup_phase(logger, "weights") as phase:
-            source = resolve_model(config.model, config.load_format)  # cached in-process
+            if source is None:
+                source = resolve_model(config.model, config.load_format)
             arch = ModelArchConfig.from_hf(source.hf_config)
             dtype = config.torch_dtype
             quant = resolve_quantization(source.quantization, source.is_gguf,
