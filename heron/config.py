@@ -323,25 +323,3 @@ def default_cpu_threads(ranks_per_node: int, cores: int | None = None) -> tuple[
         why = "at least one per rank" if ranks_per_node > 1 else "the only core"
     return threads, f"{threads} of {cores} cores{per_rank} ({why}); --threads to change"
 
-
-# ---- environment ------------------------------------------------------------------------------
-def fault_injection_token() -> int | None:
-    """``HERON_FAULT_INJECTION_TOKEN`` (for reliability tests): a request whose prompt holds
-    this token id raises while the engine processes its output, as a bug would, so tests can
-    show that one failing request costs only that request."""
-    value = os.environ.get("HERON_FAULT_INJECTION_TOKEN")
-    return int(value) if value else None
-
-
-def batch_invariant() -> bool:
-    """``HERON_BATCH_INVARIANT=1`` (vLLM's ``VLLM_BATCH_INVARIANT``): float32 projections
-    also give a row the same bits whatever else is in its batch (quantized layers and
-    attention always do), at some cost for small batches (``heron.layers.cpu_gemm``)."""
-    return os.environ.get("HERON_BATCH_INVARIANT", "0").strip().lower() in ("1", "true", "yes")
-
-
-def master_address() -> tuple[str, int | None]:
-    """``MASTER_ADDR`` / ``MASTER_PORT`` (torch.distributed's names; a LeaderWorkerSet sets
-    them): the defaults of ``--master-addr`` / ``--master-port``."""
-    port = os.environ.get("MASTER_PORT")
-    return os.environ.get("MASTER_ADDR", "127.0.0.1"), int(port) if port else None

@@ -23,8 +23,9 @@ import sys
 import threading
 import time
 
-LEVEL_ENV = "HERON_LOGGING_LEVEL"
-CONFIGURE_ENV = "HERON_CONFIGURE_LOGGING"
+from heron import envs
+
+LEVEL_ENV = "HERON_LOGGING_LEVEL"  # read through heron.envs, written here for children
 FORMAT = "%(heron_process)s%(asctime)s %(levelname)s %(name)s: %(message)s"
 ROOT = "heron"
 
@@ -62,11 +63,11 @@ def configure(level: int | str | None = None, process: str | None = None) -> int
     None: ``$HERON_LOGGING_LEVEL``, else INFO. Idempotent (a second call replaces the
     handler and the level)."""
     global _handler
-    resolved = _level_from(level if level is not None else os.environ.get(LEVEL_ENV))
+    resolved = _level_from(level if level is not None else envs.HERON_LOGGING_LEVEL)
     os.environ[LEVEL_ENV] = logging.getLevelName(resolved)  # children inherit it
     logger = logging.getLogger(ROOT)
     logger.setLevel(resolved)
-    if os.environ.get(CONFIGURE_ENV, "1") == "0":
+    if not envs.HERON_CONFIGURE_LOGGING:
         return resolved
     if _handler is not None:
         logger.removeHandler(_handler)

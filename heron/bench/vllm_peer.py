@@ -17,6 +17,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from heron import envs
 from heron.bench.workloads import Sample
 
 logger = logging.getLogger(__name__)
@@ -27,7 +28,7 @@ _WORKER = Path(__file__).with_name("vllm_worker.py")
 
 
 def default_venv() -> Path:
-    return Path(os.environ.get("HERON_VLLM_VENV", Path.cwd() / ".venv" / "peers" / "vllm"))
+    return envs.HERON_VLLM_VENV
 
 
 def ensure_venv(venv: Path) -> Path:
@@ -78,7 +79,7 @@ def peer_model_dir(model: str | None) -> Path:
     name = resolve_model(model).name
     if not name.endswith(".gguf"):
         return Path(name)
-    cache = Path(os.environ.get("HERON_CACHE_DIR", Path.home() / ".cache" / "heron"))
+    cache = envs.HERON_CACHE_DIR
     return export_hf_dir(Path(name), cache / "hf" / Path(name).stem)
 
 

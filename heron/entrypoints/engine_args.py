@@ -135,9 +135,10 @@ serve_engine_args = functools.partial(engine_args, multi_node=True)
 
 
 def parallel_config(args):
-    from heron.config import ParallelConfig, master_address
+    from heron import envs
+    from heron.config import ParallelConfig
 
-    addr, port = master_address()
+    addr, port = envs.MASTER_ADDR, envs.MASTER_PORT
     return ParallelConfig(tensor_parallel_size=args.tensor_parallel_size,
                           pipeline_parallel_size=args.pipeline_parallel_size,
                           nnodes=getattr(args, "nnodes", 1),

@@ -2,7 +2,7 @@
 
 Triton runs on CUDA tensors, or on CPU tensors under its interpreter (``TRITON_INTERPRET=1``,
 read by triton when a kernel is defined, so it must be set before the kernel modules are
-imported). This module is the one place heron reads that variable.
+imported). heron reads it through ``heron.envs``; ``use_interpreter`` sets it.
 """
 
 from __future__ import annotations
@@ -12,6 +12,8 @@ import importlib.util
 import os
 
 import torch
+
+from heron import envs
 
 
 @functools.cache
@@ -24,7 +26,7 @@ def has_triton() -> bool:
 
 def interpreting() -> bool:
     """True when triton runs kernels in its CPU interpreter."""
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+    return envs.TRITON_INTERPRET
 
 
 def triton_usable(device: torch.device) -> bool:

@@ -24,6 +24,7 @@ import gguf.quants
 from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
+from heron import envs
 from heron.quant import gguf_blocks
 from heron.quant.gguf_blocks import QuantizedRows
 
@@ -249,7 +250,7 @@ def _permuted(w, n_head: int):
 
 def _cache_dir(path: Path, cache_root: str | Path | None) -> Path:
     """Cache location for ``path``, keyed on absolute path + size + mtime."""
-    root = cache_root or os.environ.get("HERON_CACHE_DIR") or Path.home() / ".cache" / "heron"
+    root = cache_root or envs.HERON_CACHE_DIR
     st = path.stat()
     key = hashlib.sha256(f"{path}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:16]
     return Path(root) / "gguf" / f"{path.stem}-{key}"

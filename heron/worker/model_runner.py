@@ -11,7 +11,8 @@ import torch
 
 from heron.attention import ForwardContext, forward_context, get_attention_backend
 from heron.attention.metadata import AttentionMetadata
-from heron.config import SpeculativeConfig, fault_injection_token
+from heron import envs
+from heron.config import SpeculativeConfig
 from heron.distributed import get_pp_group, get_tp_group
 from heron.distributed.pipeline import IntermediateTensors
 from heron.layers.rotary import RotaryEmbedding
@@ -79,7 +80,7 @@ class ModelRunner:
         self.graphs: DecodeGraphRunner | None = None
         self._reserve_rotary(self.max_context)
         self.input_batch = InputBatch(max_num_seqs, self.max_context, block_size)
-        self._fault_token = fault_injection_token()
+        self._fault_token = envs.HERON_FAULT_INJECTION_TOKEN
         if device.type == "cuda" and self.backend.name == "triton" and not enforce_eager:
             self.enable_decode_graphs(max_num_seqs)
         self.proposer = None if speculative is None else \

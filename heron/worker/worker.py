@@ -11,7 +11,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from heron.config import EngineConfig, batch_invariant, default_cpu_threads
+from heron import envs
+from heron.config import EngineConfig, default_cpu_threads
 from heron.logging_config import startup_phase
 from heron.loader.model_source import ModelSource, resolve_model
 from heron.loader.weights import (build_model, materialize_weights, model_weight_bytes,
@@ -58,7 +59,7 @@ class Worker:
                           par.collective_timeout_s)
         if self.device.type == "cpu":
             _build_cpu_kernels()
-            if batch_invariant():
+            if envs.HERON_BATCH_INVARIANT:
                 cpu_gemm.set_batch_invariant(True)
                 logger.info("batch invariant: float32 projections use one GEMM form for "
                             "every row count (HERON_BATCH_INVARIANT)")
