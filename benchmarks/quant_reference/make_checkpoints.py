@@ -7,7 +7,7 @@ Run inside the *peer* venv (never heron's own venv; ``make reference-tools`` bui
     make reference-tools
     .venv/peers/quant/bin/python benchmarks/quant_reference/make_checkpoints.py --out /tmp/quant_ref
 
-``tests/test_quant_reference_tools.py`` runs it (``--calib-samples 16``) and compares heron's
+``tests/reference_tools/test_quant_reference_tools.py`` runs it (``--calib-samples 16``) and compares heron's
 logprobs on each checkpoint with ``reference_logits.pt``; it also runs ``--reference-dirs`` on
 ``heron quantize``'s output to get HF's logits there.
 

@@ -23,7 +23,7 @@ layer's method (a linear layer's or the LM head's) for a ``CpuGemmMethod`` holdi
 Batch invariance: the two forms round differently, so a row's result depends on how many
 rows share the call (1-3 vs 4+: a last-bit difference, enough to flip a greedy near-tie).
 oneDNN's packed form alone gives every row the same bits whatever the row count (checked by
-tests/test_batch_invariance.py), at 1.1-1.5x the column-major time for one row. With
+tests/models/test_batch_invariance.py), at 1.1-1.5x the column-major time for one row. With
 ``BATCH_INVARIANT`` set (``set_batch_invariant``; vLLM's ``VLLM_BATCH_INVARIANT``) the
 packed form runs for every row count. Quantized layers are batch invariant always
 (``heron.kernels.cpu``'s quant_linear).
