@@ -34,12 +34,6 @@ class SpecDecodingStats:
         """Tokens a verifying step yields per sequence: accepted drafts plus the bonus."""
         return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
 
-    @classmethod
-    def from_dict(cls, d: dict) -> SpecDecodingStats:
-        """From ``as_dict()``'s counters."""
-        return cls(d["num_drafts"], d["num_draft_tokens"], d["num_accepted_tokens"],
-                   list(d["accepted_per_pos"]))
-
     def since(self, before: SpecDecodingStats) -> SpecDecodingStats:
         """The counts between an earlier snapshot ``before`` and this one."""
         old = before.accepted_per_pos
@@ -59,10 +53,3 @@ class SpecDecodingStats:
                 "mean_acceptance_length": self.mean_acceptance_length,
                 "accepted_per_pos_rate": [round(n / drafts, 3) if drafts else 0.0
                                           for n in self.accepted_per_pos]}
-
-    def as_dict(self) -> dict:
-        return {"num_drafts": self.num_drafts, "num_draft_tokens": self.num_draft_tokens,
-                "num_accepted_tokens": self.num_accepted_tokens,
-                "accepted_per_pos": list(self.accepted_per_pos),
-                "acceptance_rate": self.acceptance_rate,
-                "mean_acceptance_length": self.mean_acceptance_length}
