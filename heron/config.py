@@ -253,6 +253,25 @@ class SpeculativeConfig:
         return self.method != "ngram"
 
 
+def parse_custom_ops(names: str | list[str] | tuple[str, ...] | None) -> tuple[str, ...]:
+    """``--custom-ops``' value ("a,b", or a list) as op names; a leading "+" (vLLM's "enable"
+    spelling in ``compilation_config.custom_ops``) is accepted, "-name" is not (a built-in
+    path needs no flag)."""
+    if names is None:
+        return ()
+    items = names.split(",") if isinstance(names, str) else list(names)
+    out = []
+    for item in (i.strip() for i in items):
+        if item.startswith("-") or item in ("all", "none"):
+            raise ValueError(f"custom op {item!r}: name the plugin ops to select; heron's "
+                             f"built-in paths run wherever no op is selected")
+        if item.removeprefix("+"):
+            out.append(item.removeprefix("+"))
+    if len(set(out)) != len(out):
+        raise ValueError(f"custom ops name an op twice: {','.join(out)}")
+    return tuple(out)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine needs to start: which model, how to run it, how to batch."""
@@ -277,9 +296,12 @@ class EngineConfig:
     # (a GGUF file stays quantized on CPU)
     quantization: str | None = None
     tokenizer: str | None = None  # a tokenizer directory other than the model's (--tokenizer)
+    # plugin ops (heron.kernels.plugins) the worker selects for the model (--custom-ops)
+    custom_ops: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         canonical_dtype(self.dtype)  # the name is checked now, resolved by the worker
+        object.__setattr__(self, "custom_ops", parse_custom_ops(self.custom_ops))
         if self.speculative is not None and self.parallel.world_size > 1:
             raise ValueError("speculative decoding runs on one rank for now (tensor x "
                              "pipeline parallel size 1)")

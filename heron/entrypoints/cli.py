@@ -62,7 +62,8 @@ def _make_llm(args):
                distributed_executor_backend=args.distributed_executor_backend,
                tensor_parallel_size=args.tensor_parallel_size,
                pipeline_parallel_size=args.pipeline_parallel_size,
-               speculative_config=speculative_config(args), quantization=args.quantization)
+               speculative_config=speculative_config(args), quantization=args.quantization,
+               custom_ops=args.custom_ops)
 
 
 def build_parser() -> argparse.ArgumentParser:

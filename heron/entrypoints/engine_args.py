@@ -69,6 +69,11 @@ def engine_args(p: argparse.ArgumentParser, multi_node: bool = False) -> None:
                         "worker process of its own (default: uni for one rank, else mp)")
     g.add_argument("--speculative-config", default=None, metavar="JSON",
                    help="speculative decoding (default: off), " + SPEC_HELP)
+    g.add_argument("--custom-ops", default=None, metavar="NAMES",
+                   help="comma-separated plugin ops (entry-point group heron.ops; `heron "
+                        "check-kernels --list` shows them) to run in place of the built-in "
+                        "path of the slot each plugs into, e.g. swiglu_limit; a leading + as "
+                        "in vLLM's compilation_config.custom_ops is accepted (default: none)")
     _parallel_args(p, multi_node)
     _logging_args(p)
 

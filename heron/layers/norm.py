@@ -7,12 +7,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from heron.layers.dispatch import cpu_ops_enabled, triton_ops_enabled
+from heron.layers.dispatch import cpu_ops_enabled, custom_kernel, triton_ops_enabled
 
 
 class RMSNorm(nn.Module):
     """``forward(x)`` -> norm(x); ``forward(x, residual)`` -> (norm(x + residual), x + residual),
-    the residual add fused into the norm kernel on the Triton path."""
+    the residual add fused into the norm kernel on the Triton path; a plugin op selected for
+    the slot ``norm:rms_norm`` computes both forms instead."""
 
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()
@@ -20,6 +21,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        kernel = custom_kernel("norm:rms_norm")
+        if kernel is not None:
+            return kernel(x, self.weight, self.eps, residual)
         if triton_ops_enabled():
             from heron.kernels.rmsnorm import rms_norm
 
