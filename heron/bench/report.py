@@ -59,12 +59,14 @@ def _throughput(records: list[dict]) -> list:
     keys = ("requests_per_s", "input_tok_s", "output_tok_s", "total_tok_s")
     for rec in records:
         res, ratios = rec["results"], rec.get("ratios") or {}
-        rows = [[name, r["path"], *(r[k] for k in keys)] for name, r in res.items()]
-        if ratios:
-            rows.append(["heron / hf", "", *(f"{ratios[k]:.2f}x" for k in keys)])
+        rows = [[name, r["path"], r.get("threads"), *(r[k] for k in keys)]
+                for name, r in res.items()]
+        if ratios:  # heron / the stronger peer row (older records: the only peer)
+            peer = rec.get("ratio_peer") or list(res)[-1]
+            rows.append([f"heron / {peer}", "", "", *(f"{ratios[k]:.2f}x" for k in keys)])
         blocks += [Para(f"`{rec['_source']}`: {_describe(rec['config'])}"),
-                   Table(["engine", "path", "req/s", "input tok/s", "output tok/s",
-                          "total tok/s"], rows)]
+                   Table(["engine", "path", "threads", "req/s", "input tok/s",
+                          "output tok/s", "total tok/s"], rows)]
         if "identical_frac" in rec:
             blocks.append(Para(f"Greedy outputs identical to the peer's for "
                                f"{100 * rec['identical_frac']:.0f}% of requests (first token: "

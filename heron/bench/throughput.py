@@ -1,8 +1,11 @@
 """`heron bench throughput`: offline, in-process batch throughput, heron and an optional peer.
 
 Both engines get the same token-id prompts and output lengths (greedy, EOS ignored), each
-after a small untimed warmup with other prompts; the peer runs after heron is freed. The
-record's ``results`` maps engine -> rates; ``ratios`` is heron / peer. Importing this module
+after a small untimed warmup with other prompts; the peer runs after heron is freed. heron
+runs on ``--threads`` (default: every core of this process's affinity). ``--peer vllm`` runs
+vLLM twice, with its default thread binding and on every core (``vllm_peer.bindings``). The
+record's ``results`` maps engine -> rates (each with its ``threads``); ``ratios`` is heron /
+the stronger peer row (highest output tok/s), named in ``ratio_peer``. Importing this module
 needs only torch and transformers (no server dependencies).
 """
 
@@ -10,10 +13,12 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
 
 from heron.bench import parallel_stats
 from heron.bench.heron_offline import HeronOffline, resolve_dtype
 from heron.bench.machine import machine_info
+from heron.bench.peer_compare import stronger
 from heron.bench.results import emit
 from heron.bench.table import format_table
 from heron.bench.workloads import Sample, build_workload
@@ -59,17 +64,43 @@ def _agreement(a: list[list[int]], b: list[list[int]]) -> dict:
             "first_token_match_frac": sum(x[:1] == y[:1] for x, y in pairs) / len(pairs)}
 
 
-def _peer(args, dtype: str, budget: dict):
+def _peers(args, dtype: str, budget: dict, threads: int):
+    """The peer configurations to run, one at a time: yields (engine, threads description)."""
     if args.peer == "vllm":
-        from heron.bench.vllm_peer import VLLMPeer, peer_model_dir
+        from heron.bench.vllm_peer import VLLMPeer, bindings, peer_model_dir
 
-        return VLLMPeer(peer_model_dir(args.model), dtype, budget["max_model_len"],
-                        budget["max_num_seqs"], budget["step_tokens"],
-                        prefix_caching=not args.no_prefix_caching)
+        model_dir = peer_model_dir(args.model)
+        for binding in bindings():
+            yield VLLMPeer(model_dir, dtype, budget["max_model_len"], budget["max_num_seqs"],
+                           budget["step_tokens"], prefix_caching=not args.no_prefix_caching,
+                           binding=binding), binding.threads
+        return
     from heron.bench.hf_peer import HFPeer
 
-    return HFPeer(args.model, args.load_format, dtype, args.peer_path, args.peer_batch_size,
-                  kv_tokens=budget["kv_tokens"], step_tokens=budget["step_tokens"])
+    yield HFPeer(args.model, args.load_format, dtype, args.peer_path, args.peer_batch_size,
+                 kv_tokens=budget["kv_tokens"], step_tokens=budget["step_tokens"]), \
+        f"{threads} torch threads"
+
+
+def heron_threads(args) -> int:
+    """``--threads``, else every core this process may run on (heron's engine default leaves
+    one idle, which a peer given every core would not)."""
+    return args.threads or len(os.sched_getaffinity(0))
+
+
+def run_peers(args, dtype: str, budget: dict, threads: int, samples, warmup, results: dict,
+              outputs: dict) -> list[str]:
+    """Run every peer configuration after heron, adding to ``results`` / ``outputs``; the
+    names it ran under."""
+    names = []
+    for peer, peer_threads in _peers(args, dtype, budget, threads):
+        try:
+            results[peer.name], outputs[peer.name] = run_engine(peer, samples, warmup)
+        finally:
+            peer.close()
+        results[peer.name]["threads"] = peer_threads
+        names.append(peer.name)
+    return names
 
 
 def run(args) -> dict:
@@ -77,11 +108,11 @@ def run(args) -> dict:
     record."""
     import torch
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    threads = heron_threads(args)
+    torch.set_num_threads(threads)
     machine, dtype = machine_info(), resolve_dtype(args.dtype)
     num = args.num_prompts or DEFAULTS["num_prompts"]
-    heron = HeronOffline(args)
+    heron = HeronOffline(args, num_threads=threads)
     tokenizer = heron.llm.get_tokenizer()
     count = (lambda text: len(tokenizer(text).input_ids)) if tokenizer is not None else None
     build = dict(vocab_size=heron.vocab_size, count_tokens=count, max_len=heron.max_model_len)
@@ -94,6 +125,7 @@ def run(args) -> dict:
     before = parallel_stats.snapshot(heron.engine)
     spec_before = heron.engine.stats().spec_decode
     results["heron"], outputs["heron"] = run_engine(heron, samples, [])  # warmed up above
+    results["heron"]["threads"] = f"{threads} torch threads"
     parallel = _parallel_report(heron, before, results["heron"]["elapsed_s"])
     spec = spec_decode_report(spec_before, heron.engine.stats().spec_decode)
     budget = {"kv_tokens": heron.kv_tokens, "step_tokens": heron.step_tokens,
@@ -104,13 +136,13 @@ def run(args) -> dict:
     gc.collect()
     extra, ratios = {}, {}
     if args.peer != "none":
-        peer = _peer(args, dtype, budget)
-        results[peer.name], outputs[peer.name] = run_engine(peer, samples, warmup)
-        peer.close()
+        names = run_peers(args, dtype, budget, threads, samples, warmup, results, outputs)
+        best = stronger({n: results[n] for n in names})
         if args.load_format == "auto":
-            extra = _agreement(outputs["heron"], outputs[peer.name])
-        ratios = {k: results["heron"][k] / results[peer.name][k] for k in RATE_KEYS}
-    print_table(results, ratios)
+            extra = _agreement(outputs["heron"], outputs[best])
+        ratios = {k: results["heron"][k] / results[best][k] for k in RATE_KEYS}
+        extra["ratio_peer"] = best
+    print_table(results, ratios, extra.get("ratio_peer"))
     if spec:
         print(f"speculative decoding: acceptance rate {spec['acceptance_rate']:.1%}, mean "
               f"acceptance length {spec['mean_acceptance_length']:.2f}, accepted per "
@@ -119,7 +151,7 @@ def run(args) -> dict:
     if parallel:
         print(parallel_stats.format_report(parallel))
         extra["parallel"] = parallel
-    record = {"kind": "throughput", "machine": machine, "config": _config(args, num, dtype),
+    record = {"kind": "throughput", "machine": machine, "config": _config(args, num, dtype) | {"threads": threads},
               "results": results, "ratios": ratios, **extra}
     emit(record, args.json_out)
     return record
@@ -155,12 +187,15 @@ def _config(args, num: int, dtype: str) -> dict:
         "input_len": args.input_len, "output_len": args.output_len or args._default_output}
 
 
-def print_table(results: dict, ratios: dict) -> None:
+def print_table(results: dict, ratios: dict, ratio_peer: str | None = None) -> None:
+    """A column per engine row, and heron / ``ratio_peer`` (the stronger peer row)."""
     names = list(results)
-    headers = ["metric", *names] + ([f"heron/{names[-1]}"] if ratios else [])
+    headers = ["metric", *names] + ([f"heron/{ratio_peer} (stronger)"] if ratios else [])
     rows = [[key, *(results[n][key] for n in names)]
             + ([f"{ratios[key]:.2f}x" if key in ratios else ""] if ratios else [])
             for key in ("elapsed_s", *RATE_KEYS)]
+    rows.append(["threads", *(results[n].get("threads") for n in names)]
+                + ([""] if ratios else []))
     print(format_table(headers, rows))
     for n in names:
         print(f"{n}: {results[n]['path']}")

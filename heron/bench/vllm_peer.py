@@ -5,6 +5,12 @@ vLLM pins its own torch and cannot share heron's environment, so it runs as a su
 next to torch 2.13.0, without torchvision / torchaudio / torchcodec (their PyPI wheels do not
 load against torch 2.13+cpu). vLLM loads HF directories only, so a GGUF model (the embedded
 SmolLM2) is written once as one (``export_hf_dir``) in float32.
+
+vLLM's CPU build binds its OpenMP threads itself: by default (``VLLM_CPU_OMP_THREADS_BIND``
+unset or "auto") it reserves one core for its scheduler and computes on the rest, so on 2
+cores it computes on 1. ``bindings()`` gives both ways of running it, the default and every
+core (``VLLM_CPU_OMP_THREADS_BIND=0-(n-1)``); the benchmarks run both and compare heron with
+the stronger.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ import os
 import select
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 from heron import envs
@@ -25,6 +32,50 @@ logger = logging.getLogger(__name__)
 VLLM_VERSION = "0.32.0"
 TORCH_VERSION = "2.13.0"
 _WORKER = Path(__file__).with_name("vllm_worker.py")
+BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
+
+
+@dataclass(frozen=True)
+class Binding:
+    """One way of binding vLLM's CPU threads: ``name`` for tables, ``bind`` the value of
+    ``VLLM_CPU_OMP_THREADS_BIND`` (None: unset, vLLM's default), ``threads`` a description of
+    the cores it computes on."""
+
+    name: str
+    bind: str | None
+    threads: str
+
+    def env(self, base: dict[str, str] | None = None) -> dict[str, str]:
+        """``base`` (default: this process's environment) with the binding applied; the
+        default binding removes an inherited ``VLLM_CPU_OMP_THREADS_BIND``."""
+        env = dict(os.environ if base is None else base)
+        env.pop(BIND_ENV, None)
+        if self.bind is not None:
+            env[BIND_ENV] = self.bind
+        return env
+
+
+def core_ranges(cores: list[int]) -> str:
+    """CPU ids as vLLM's bind syntax: [0, 1, 2, 5] -> "0-2,5"."""
+    cores, parts, start = sorted(set(cores)), [], None
+    for i, c in enumerate(cores):
+        start = c if start is None else start
+        if i + 1 == len(cores) or cores[i + 1] != c + 1:
+            parts.append(str(start) if start == c else f"{start}-{c}")
+            start = None
+    return ",".join(parts)
+
+
+def bindings(cores: list[int] | None = None) -> list[Binding]:
+    """vLLM's default binding, then every core of ``cores`` (default: this process's
+    affinity). On one core the two are the same, and only the default is returned."""
+    cores = sorted(cores if cores is not None else os.sched_getaffinity(0))
+    if len(cores) < 2:
+        return [Binding("default", None, "1 core")]
+    default = Binding("default", None, f"{len(cores) - 1} of {len(cores)} cores (one "
+                      "reserved for its scheduler)")
+    every = core_ranges(cores)
+    return [default, Binding(f"bind {every}", every, f"{len(cores)} of {len(cores)} cores")]
 
 
 def default_venv() -> Path:
@@ -83,6 +134,21 @@ def peer_model_dir(model: str | None) -> Path:
     return export_hf_dir(Path(name), cache / "hf" / Path(name).stem)
 
 
+def server_command(python: Path, model_dir: Path, dtype: str, max_model_len: int,
+                   max_num_seqs: int, max_num_batched_tokens: int, prefix_caching: bool,
+                   port: int, extra: list[str] | None = None) -> list[str]:
+    """vLLM's OpenAI server with heron's context, sequence and step-token budgets, on the
+    loopback ``port``; ``extra`` flags last (they add or override). The thread binding is
+    not a flag: run it in ``Binding.env()``."""
+    prefix = [] if prefix_caching else ["--no-enable-prefix-caching"]
+    return [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+            "--dtype", dtype, "--max-model-len", str(max_model_len),
+            "--max-num-seqs", str(max_num_seqs),
+            "--max-num-batched-tokens", str(max_num_batched_tokens),
+            "--gpu-memory-utilization", "0.4", "--seed", "0", *prefix,
+            "--host", "127.0.0.1", "--port", str(port), *(extra or [])]
+
+
 class VLLMPeer:
     """``generate(samples)`` like HeronOffline, on vLLM's offline LLM in its own process."""
 
@@ -90,16 +156,22 @@ class VLLMPeer:
 
     def __init__(self, model_dir: Path, dtype: str, max_model_len: int, max_num_seqs: int,
                  max_num_batched_tokens: int, prefix_caching: bool = True,
-                 python: Path | None = None, timeout: float | None = None) -> None:
+                 python: Path | None = None, timeout: float | None = None,
+                 binding: Binding | None = None) -> None:
         python = python or ensure_venv(default_venv())
         self.timeout = timeout  # seconds to wait for each reply (start-up, each generate)
-        self.path = f"vLLM {VLLM_VERSION} offline LLM.generate (CPU build, own venv)"
+        self.binding = binding
+        if binding is not None:
+            self.name = f"vllm ({binding.name})"
+        self.path = f"vLLM {VLLM_VERSION} offline LLM.generate (CPU build, own venv" + (
+            f"; {BIND_ENV}={binding.bind or 'unset'}: {binding.threads})" if binding else ")")
         read_fd, write_fd = os.pipe()
         args = [str(python), str(_WORKER), str(model_dir), dtype, str(max_model_len),
                 str(max_num_seqs), str(max_num_batched_tokens), str(int(prefix_caching)),
                 str(write_fd)]
         self.proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=sys.stderr,
-                                     pass_fds=(write_fd,), text=True)
+                                     pass_fds=(write_fd,), text=True,
+                                     env=binding.env() if binding is not None else None)
         os.close(write_fd)
         self.replies = os.fdopen(read_fd)
         if not self._reply().get("ready"):
