@@ -38,7 +38,7 @@ def compare(heron: dict, peers: dict[str, dict], keys: list[str]) -> dict:
 
 def format_comparison(rows: list[tuple[str, dict, dict, dict]],
                       metrics: list[tuple[str, str]], peer_labels: list[str],
-                      peer_name: str) -> str:
+                      peer_name: str = "", ratio_header: str | None = None) -> str:
     """One table: per row (title, heron figures, {peer label: figures}, compare() result)
     a line per metric, a column per peer configuration, and heron / the stronger one (named
     on the row's first line)."""
@@ -52,7 +52,7 @@ def format_comparison(rows: list[tuple[str, dict, dict, dict]],
             table.append([title if n == 0 else "", label, heron.get(key),
                           *(peers.get(p, {}).get(key) for p in peer_labels), cell])
     headers = ["row", "metric", "heron", *(f"{peer_name} {p}".strip() for p in peer_labels),
-               f"heron/{peer_name} (stronger)"]
+               ratio_header or f"heron/{peer_name} (stronger)"]
     return format_table(headers, table)
 
 

@@ -144,3 +144,39 @@ def test_llama_server_command():
     assert cmd[cmd.index("-np") + 1] == "16" and cmd[cmd.index("-c") + 1] == str(16 * 1024)
     assert "-cb" in cmd and cmd[cmd.index("--host") + 1] == "127.0.0.1"
     assert cmd[cmd.index("--port") + 1] == "9000" and cmd[-1] == "--no-warmup"
+
+
+def _script(name: str):
+    """A benchmark program imported as a module (registered: its dataclasses need that)."""
+    import importlib.util
+    import sys
+
+    path = Path(__file__).parents[2] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"_bench_script_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_vs_llamacpp_rows_and_loads():
+    vs = _script("vs_llamacpp")
+    args = vs.parse_args(["--concurrency", "1,16", "--threads", "2"])
+    assert {c: (load.num, load.max_concurrency) for c, load in vs.loads(args).items()} == {
+        1: (32, 1), 16: (64, 16)}
+    assert vs.heron_command_flags(args, Path("m.gguf"))[-2:] == ["--threads", "2"]
+    fig = {"output_tok_s": 50.0, "tpot_p50_ms": 20.0, "input_tokens": 10}
+    rows = vs.build_rows(args, {1: dict(fig), 16: dict(fig)},
+                         {1: fig | {"output_tok_s": 100.0}, 16: dict(fig)})
+    assert rows[1]["stronger"] == vs.PEER and rows[1]["ratios"]["output_tok_s"] == 0.5
+    assert rows[16]["heron"]["threads"] == "2 torch threads"
+
+
+def test_vs_vllm_heron_threads_and_bindings():
+    vs = _script("vs_vllm")
+    args = vs.parse_args(["--bindings", "all"])
+    flags = vs.heron_flags(args, Path("/m"))
+    assert flags[flags.index("--threads") + 1] == str(len(os.sched_getaffinity(0)))
+    args = vs.parse_args(["--heron-args", "--threads 1", "--bindings", "default"])
+    assert vs.heron_flags(args, Path("/m")).count("--threads") == 1
+    assert [b.bind for b in vs.selected_bindings(args)] == [None]
