@@ -20,6 +20,7 @@ EPILOG = """examples:
   heron bench serve --launch --request-rates 1,4,inf --slo ttft=1000,tpot=100 --json-out s.json
   heron bench serve --url http://127.0.0.1:8080 --label llama.cpp --json-out l.json
   heron bench report s.json l.json --out-dir benchmarks/results --gpu-hour-price 2.5
+  heron bench kernels --ops swiglu_limit                 # a plugin op vs the built-in path
 """
 
 _FMT = HelpFormatter  # each default stated once
@@ -132,12 +133,23 @@ def _report_parser(sub) -> None:
     p.add_argument("-v", "--verbose", action="store_true")
 
 
+def _kernels_parser(sub) -> None:
+    p = sub.add_parser("kernels", formatter_class=_FMT,
+                       help="registered ops (plugins too) vs the built-in path they replace")
+    p.add_argument("--ops", default=None, help="comma-separated op names (default: all)")
+    p.add_argument("--repeats", type=int, default=50, help="timed calls per row (median)")
+    p.add_argument("--warmup", type=int, default=5, help="untimed calls first")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    _common(p)
+
+
 def add_parser(sub) -> argparse.ArgumentParser:
     """Add `bench` and its subcommands to the `heron` command's subparsers."""
     bench = sub.add_parser("bench", help="benchmarks: throughput, latency, serve, report",
                            epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     bsub = bench.add_subparsers(dest="bench_command", required=True, metavar="BENCHMARK")
-    for build in (_throughput_parser, _latency_parser, _serve_parser, _report_parser):
+    for build in (_throughput_parser, _latency_parser, _serve_parser, _report_parser,
+                  _kernels_parser):
         build(bsub)
     return bench
 
@@ -172,6 +184,10 @@ def run(args) -> int:
             from heron.bench import serve
 
             serve.run(args)
+        elif args.bench_command == "kernels":
+            from heron.bench import kernels
+
+            kernels.run(args)
         else:
             _report(args)
     except (ValueError, FileNotFoundError) as e:

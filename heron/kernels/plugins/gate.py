@@ -9,7 +9,7 @@ from typing import Iterator
 
 import torch
 
-from heron.kernels.plugins.registry import Registry
+from heron.kernels.plugins.discovery import Registry
 from heron.kernels.plugins.spec import OpSpec
 from heron.kernels.reference import max_rel_error
 
