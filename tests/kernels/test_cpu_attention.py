@@ -100,6 +100,33 @@ def test_varlen_kernel_rejects_a_block_outside_the_pool():
                                             seq_lens, starts, case.scale, 0)
 
 
+@pytest.mark.parametrize("kv_heads,group,head_dim,block_size,window", [
+    (3, 3, 64, 16, None),  # SmolLM2
+    (2, 4, 128, 16, None),  # the value rows in two register blocks
+    (1, 8, 96, 4, 70),  # a block and a tail; window across pages
+    (4, 1, 40, 16, None),  # a tail only
+    (2, 2, 20, 4, 9),  # head_dim not a multiple of 8: the tiled routine itself
+])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_decode_is_the_same_bits_as_its_row_inside_a_chunk(kv_heads, group, head_dim,
+                                                             block_size, window, dtype):
+    """A one-query chunk takes its own routine (one query fills few of the tiled routine's
+    lanes); its output must be the bits the same position gets inside a longer chunk."""
+    assert cpu.load()
+    seq_len, q_len = 203, 70  # key steps of 64: three whole, one partial
+    case = cases.attention_case([q_len], [seq_len], kv_heads, group, head_dim, block_size,
+                                dtype, seed=head_dim, sliding_window=window)
+    starts, lens, tables = case.device_tensors()
+    attend = torch.ops.heron_cpu.paged_attention
+    whole = attend(case.q, case.key_cache, case.value_cache, tables, lens, starts, case.scale,
+                   window or 0)
+    for row in (0, 1, 31, q_len - 1):
+        pos = seq_len - q_len + row
+        alone = attend(case.q[row:row + 1], case.key_cache, case.value_cache, tables,
+                       torch.tensor([pos + 1]), torch.tensor([0, 1]), case.scale, window or 0)
+        assert torch.equal(alone[0], whole[row]), f"position {pos}"
+
+
 @pytest.mark.parametrize("window", [None, 6])
 def test_cpu_backend_equals_torch_backend_on_a_mixed_step(window):
     """Decodes and prefill chunks (one after a cached prefix) all go through the kernel."""

@@ -29,6 +29,7 @@
 
 #include "paged_decode.h"
 #include "paged_prefill.h"
+#include "paged_single.h"
 
 namespace {
 
@@ -191,6 +192,10 @@ void run_item(const Batch<T>& b, const WorkItem& w, Workspace& ws) {
     const int64_t token = b.starts[w.request] + first;
     const T* q = b.q + token * b.q_stride + head * b.head_dim;
     T* out = b.out + token * out_stride + head * b.head_dim;
+    if (count == 1 && single_query_fits(b.head_dim)) {  // a decode: the same bits, faster
+      attend_single(kv, q, out, seq_len - q_len + first, group, b.scale, b.window, ws);
+      continue;
+    }
     attend_tile(kv, q, b.q_stride, out, out_stride, seq_len - q_len + first, count, group,
                 b.scale, b.window, ws);
   }
