@@ -21,6 +21,7 @@ from heron.quant.config import resolve_quantization
 from heron.models import ModelArchConfig
 from heron.distributed import get_pp_group, get_tp_group, init_parallel
 from heron.layers import cpu_gemm
+from heron.layers.dispatch import apply_custom_ops
 from heron.speculative.factory import load_draft
 from heron.worker.memory import KVLayout, num_kv_blocks
 from heron.worker.model_runner import ModelRunner
@@ -113,6 +114,7 @@ class Worker:
             model = build_model(arch, dtype, self.device, quant)
             materialize_weights(model, source, config.load_format, dtype, config.seed, quant)
             optimize_layout(model, self.device)
+            self.custom_ops = apply_custom_ops(model, config.custom_ops, self.device, dtype)
             self.bytes_read = source.read_counter.bytes_read
             self.quantization = quant.describe() if quant else "none"
             self.weight_bytes = model_weight_bytes(model)

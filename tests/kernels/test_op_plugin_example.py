@@ -80,3 +80,16 @@ def test_changes_outputs_only_where_the_clamp_bites(plugin, models):
             plugin.reference(mlp.gate_up_proj(x)).float())
     expected = prefill(control, IDS)
     assert (after - expected).abs().max() <= 1e-4 * expected.abs().max()
+
+
+def test_the_engine_applies_custom_ops_on_its_worker(plugin, tiny):
+    """``LLM(custom_ops=...)`` (``--custom-ops``) reaches the worker that builds the model."""
+    from heron import LLM, SamplingParams
+
+    llm = LLM(tiny.path, custom_ops="swiglu_limit", num_kv_blocks=64)
+    worker = llm.engine.core.executor.worker
+    assert worker.custom_ops == {"activation:silu_and_mul": "swiglu_limit"}
+    out = llm.generate([{"prompt_token_ids": IDS}], SamplingParams(temperature=0, max_tokens=4))
+    assert len(out[0].outputs[0].token_ids) == 4
+    with pytest.raises(ValueError, match="no_such_op"):
+        LLM(tiny.path, custom_ops="no_such_op", num_kv_blocks=64)
