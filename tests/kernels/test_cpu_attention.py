@@ -127,6 +127,33 @@ def test_a_decode_is_the_same_bits_as_its_row_inside_a_chunk(kv_heads, group, he
         assert torch.equal(alone[0], whole[row]), f"position {pos}"
 
 
+@pytest.mark.parametrize("kv_heads,group,head_dim,window", [(3, 3, 64, None), (2, 4, 128, 70),
+                                                            (4, 1, 40, None)])
+def test_a_decode_batch_is_the_same_bits_as_each_decode_alone(kv_heads, group, head_dim,
+                                                              window):
+    """Many decodes in one call are planned one item per request over all its KV heads (rows
+    read whole), a few one item per KV head: a decode's bits do not depend on which."""
+    assert cpu.load()
+    seq_lens = [1, 63, 64, 65, 130, 203, 17, 300, 96, 5]
+    case = cases.attention_case([1] * len(seq_lens), seq_lens, kv_heads, group, head_dim, 16,
+                                torch.float32, seed=7, sliding_window=window)
+    starts, lens, tables = case.device_tensors()
+    attend = torch.ops.heron_cpu.paged_attention
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):  # 10 requests: whole-request items at 1 and 2 threads
+            torch.set_num_threads(n)
+            batch = attend(case.q, case.key_cache, case.value_cache, tables, lens, starts,
+                           case.scale, window or 0)
+            for i in range(len(seq_lens)):
+                alone = attend(case.q[i:i + 1], case.key_cache, case.value_cache,
+                               tables[i:i + 1], lens[i:i + 1], torch.tensor([0, 1]),
+                               case.scale, window or 0)
+                assert torch.equal(alone[0], batch[i]), f"request {i} at {n} threads"
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("window", [None, 6])
 def test_cpu_backend_equals_torch_backend_on_a_mixed_step(window):
     """Decodes and prefill chunks (one after a cached prefix) all go through the kernel."""

@@ -104,16 +104,22 @@ inline int64_t visible_keys(int64_t last_pos, int64_t count, int64_t window) {
 // One unit of parallel work: query tiles first_tile .. first_tile + num_tiles - 1 of one
 // request, for the query heads of one KV head, run in order by one thread (each tile sees the
 // keys of the one before it and a few more, still in that core's cache).
+// A decode's item may instead cover all its KV heads (num_kv_heads > 1, kv_head 0): its rows
+// are then read whole, once (see plan_work).
 struct WorkItem {
   int64_t request, kv_head, first_tile, num_tiles;
   double cost;  // (query, head) rows x visible keys, summed over the tiles
+  int64_t num_kv_heads = 1;
 };
 
 // Every (request, KV head) gets runs of consecutive tiles costing at most ~1 / (8 threads) of
 // the whole call, so threads can balance; items sorted by decreasing cost (longest first).
+// With whole_decodes, a one-query request is one item over all its KV heads instead: where
+// there are many requests a thread then reads each cache row whole (a decode step is bound
+// by reading the cache), and the threads still balance.
 std::vector<WorkItem> plan_work(const int64_t* starts, const int64_t* lens, int64_t num_reqs,
                                 int64_t kv_heads, int64_t group, int64_t window,
-                                int64_t threads) {
+                                int64_t threads, bool whole_decodes) {
   auto tile_cost = [&](int64_t i, int64_t t) {
     const int64_t q_len = starts[i + 1] - starts[i];
     const Tiling tiling = tile_queries(q_len, group);
@@ -132,6 +138,10 @@ std::vector<WorkItem> plan_work(const int64_t* starts, const int64_t* lens, int6
   std::vector<WorkItem> items;
   for (int64_t i = 0; i < num_reqs; ++i) {
     const int64_t num_tiles = tile_queries(starts[i + 1] - starts[i], group).count;
+    if (whole_decodes && starts[i + 1] - starts[i] == 1) {
+      items.push_back({i, 0, 0, 1, tile_cost(i, 0) * kv_heads, kv_heads});
+      continue;
+    }
     for (int64_t t = 0; t < num_tiles;) {
       WorkItem run{i, 0, t, 0, 0.0};
       while (t < num_tiles && (run.num_tiles == 0 || run.cost + tile_cost(i, t) <= cap)) {
@@ -193,7 +203,8 @@ void run_item(const Batch<T>& b, const WorkItem& w, Workspace& ws) {
     const T* q = b.q + token * b.q_stride + head * b.head_dim;
     T* out = b.out + token * out_stride + head * b.head_dim;
     if (count == 1 && single_query_fits(b.head_dim)) {  // a decode: the same bits, faster
-      attend_single(kv, q, out, seq_len - q_len + first, group, b.scale, b.window, ws);
+      attend_single(kv, w.num_kv_heads, q, out, seq_len - q_len + first, group, b.scale,
+                    b.window, ws);
       continue;
     }
     attend_tile(kv, q, b.q_stride, out, out_stride, seq_len - q_len + first, count, group,
@@ -239,9 +250,10 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& key_cache,
               "query_start_loc does not run from 0 to the number of tokens");
   check_block_tables(tables, lens, key_cache.size(1), key_cache.size(0));
   auto out = at::empty({q.size(0), heads, head_dim}, q.options());
+  const bool whole_decodes = single_query_fits(head_dim) && num_reqs >= 4 * at::get_num_threads();
   const auto items = plan_work(starts.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), num_reqs,
-                               kv_heads, group, window, at::get_num_threads());
-  const int64_t max_rows = queries_per_tile(group) * group;
+                               kv_heads, group, window, at::get_num_threads(), whole_decodes);
+  const int64_t max_rows = std::max(queries_per_tile(group) * group, heads);
   const auto dtype = q.scalar_type();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, "paged_attention", [&] {
     const Batch<scalar_t> batch{qc.data_ptr<scalar_t>(), key_cache.data_ptr<scalar_t>(),

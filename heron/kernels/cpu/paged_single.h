@@ -23,16 +23,22 @@ namespace heron_cpu {
 
 constexpr int64_t kKeyVectors = kKeyTile / kLanes;
 
-// Asks for the rows of positions first .. first + count - 1 of `cache` (one KV head's slice,
-// head_dim values each) to be brought into cache ahead of use. A head's rows are KVH * D apart,
-// so the hardware prefetcher alone leaves a decode waiting on memory for every row.
+// Asks for the keys and values of positions first .. first + count - 1 (span values of each
+// row from kv's head on) to be brought into L2 ahead of their key step.
 template <typename T>
-inline void prefetch_rows(const PagedHead<T>& kv, const T* cache, int64_t first, int64_t count) {
+void prefetch_step(const PagedHead<T>& kv, int64_t first, int64_t count, int64_t span) {
   constexpr int64_t kLine = 64 / sizeof(T);  // values per cache line
-  for (int64_t pos = first; pos < first + count; ++pos) {
-    const T* row = cache + (kv.block_table[pos / kv.block_size] * kv.block_size +
-                            pos % kv.block_size) * kv.position_stride + kv.head_offset;
-    for (int64_t d = 0; d < kv.head_dim; d += kLine) __builtin_prefetch(row + d, 0, 3);
+  for (int64_t pos = first; pos < first + count;) {  // a page at a time
+    const int64_t slot = pos % kv.block_size, n = std::min(kv.block_size - slot,
+                                                           first + count - pos);
+    int64_t offset = (kv.block_table[pos / kv.block_size] * kv.block_size + slot) *
+                         kv.position_stride + kv.head_offset;
+    for (int64_t k = 0; k < n; ++k, offset += kv.position_stride)
+      for (int64_t d = 0; d < span; d += kLine) {
+        __builtin_prefetch(kv.key_cache + offset + d, 0, 2);
+        __builtin_prefetch(kv.value_cache + offset + d, 0, 2);
+      }
+    pos += n;
   }
 }
 
@@ -40,11 +46,14 @@ inline void prefetch_rows(const PagedHead<T>& kv, const T* cache, int64_t first,
 template <typename T>
 void load_keys_transposed(const PagedHead<T>& kv, int64_t first, int64_t count, float* kt) {
   const T* rows[kKeyTile];
-  for (int64_t k = 0; k < kKeyTile; ++k) {
-    const int64_t pos = first + std::min(k, count - 1);  // lanes past count read a real row
-    rows[k] = kv.key_cache + (kv.block_table[pos / kv.block_size] * kv.block_size +
-                              pos % kv.block_size) * kv.position_stride + kv.head_offset;
+  for (int64_t k = 0; k < count;) {  // a page at a time: one division per page
+    const int64_t pos = first + k, slot = pos % kv.block_size;
+    const T* row = kv.key_cache + (kv.block_table[pos / kv.block_size] * kv.block_size + slot) *
+                                      kv.position_stride + kv.head_offset;
+    for (const int64_t end = std::min(count, k + kv.block_size - slot); k < end; ++k)
+      rows[k] = row + (k - (pos - first)) * kv.position_stride;
   }
+  for (int64_t k = count; k < kKeyTile; ++k) rows[k] = rows[count - 1];  // lanes past count
   for (int64_t k0 = 0; k0 < kKeyTile; k0 += kLanes) {
     vfloat keep;
     for (int i = 0; i < kLanes; ++i) keep[i] = k0 + i < count ? 1.f : 0.f;
@@ -128,40 +137,46 @@ void add_values(const PagedHead<T>& kv, int64_t first, int64_t count, const floa
 // Whether attend_single takes a head size (else attend_tile runs).
 inline bool single_query_fits(int64_t head_dim) { return head_dim % kLanes == 0; }
 
-// The query at position pos, for the `group` heads of one KV head: q / out point at its first
-// head (heads head_dim apart). Workspace: qt holds the scaled queries (group, D), kf the
-// transposed keys, s the scores (group, kKeyTile), ot the outputs (group, D), m / l per head.
+// The query at position pos, for the query heads of kv_heads consecutive KV heads from kv's
+// (kv_heads * group heads; q / out point at the first, heads head_dim apart). A step's keys
+// and values are read for all of them before the next step, so a page's rows are read whole
+// (one KV head's slice of a row is a fraction of it). Workspace: qt holds the scaled queries
+// (heads, D), kf one KV head's transposed keys, s the scores (heads, kKeyTile), ot the outputs
+// (heads, D), m / l per head.
 template <typename T>
-void attend_single(const PagedHead<T>& kv, const T* q, T* out, int64_t pos, int64_t group,
-                   float scale, int64_t window, Workspace& ws) {
-  const int64_t head_dim = kv.head_dim;
+void attend_single(const PagedHead<T>& kv, int64_t kv_heads, const T* q, T* out, int64_t pos,
+                   int64_t group, float scale, int64_t window, Workspace& ws) {
+  const int64_t head_dim = kv.head_dim, heads = kv_heads * group;
   const float qscale = scale * kLog2e;
   float* qs = ws.qt.data();
   float* o = ws.ot.data();
-  for (int64_t i = 0; i < group * head_dim; ++i) qs[i] = static_cast<float>(q[i]) * qscale;
-  std::fill(o, o + group * head_dim, 0.f);
-  std::fill(ws.m.begin(), ws.m.begin() + group, kNegInf);
-  std::fill(ws.l.begin(), ws.l.begin() + group, 0.f);
+  for (int64_t i = 0; i < heads * head_dim; ++i) qs[i] = static_cast<float>(q[i]) * qscale;
+  std::fill(o, o + heads * head_dim, 0.f);
+  std::fill(ws.m.begin(), ws.m.begin() + heads, kNegInf);
+  std::fill(ws.l.begin(), ws.l.begin() + heads, 0.f);
   const int64_t lo = window > 0 ? std::max<int64_t>(0, pos - window + 1) / kKeyTile * kKeyTile : 0;
   for (int64_t first = lo; first <= pos; first += kKeyTile) {
     const int64_t count = std::min(kKeyTile, pos - first + 1);
-    prefetch_rows(kv, kv.value_cache, first, count);  // needed once the keys are scored
-    load_keys_transposed(kv, first, count, ws.kf.data());
     const int64_t next = first + kKeyTile;
-    if (next <= pos) prefetch_rows(kv, kv.key_cache, next, std::min(kKeyTile, pos - next + 1));
-    for (int64_t g = 0; g < group; ++g) {
-      float* s = ws.s.data() + g * kKeyTile;
-      score_keys(qs + g * head_dim, ws.kf.data(), head_dim, s);
-      if (window > 0)  // keys before the window (none past pos: count stops there)
-        for (int64_t k = 0; k < count && first + k <= pos - window; ++k) s[k] = kNegInf;
-      const float corr = softmax_step(s, count, ws.m[g], ws.l[g]);
-      add_values(kv, first, count, s, corr, o + g * head_dim);
+    if (next <= pos) prefetch_step(kv, next, std::min(kKeyTile, pos - next + 1), kv_heads * head_dim);
+    for (int64_t j = 0; j < kv_heads; ++j) {
+      PagedHead<T> head = kv;
+      head.head_offset += j * head_dim;
+      load_keys_transposed(head, first, count, ws.kf.data());
+      for (int64_t h = j * group; h < (j + 1) * group; ++h) {
+        float* s = ws.s.data() + h * kKeyTile;
+        score_keys(qs + h * head_dim, ws.kf.data(), head_dim, s);
+        if (window > 0)  // keys before the window (none past pos: count stops there)
+          for (int64_t k = 0; k < count && first + k <= pos - window; ++k) s[k] = kNegInf;
+        const float corr = softmax_step(s, count, ws.m[h], ws.l[h]);
+        add_values(head, first, count, s, corr, o + h * head_dim);
+      }
     }
   }
-  for (int64_t g = 0; g < group; ++g) {
-    const vfloat inv = splat(1.f) / splat(ws.l[g]);
+  for (int64_t h = 0; h < heads; ++h) {
+    const vfloat inv = splat(1.f) / splat(ws.l[h]);
     for (int64_t d = 0; d < head_dim; d += kLanes)
-      store_as(out + g * head_dim + d, load(o + g * head_dim + d) * inv);
+      store_as(out + h * head_dim + d, load(o + h * head_dim + d) * inv);
   }
 }
 
