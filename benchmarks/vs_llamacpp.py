@@ -127,12 +127,13 @@ def default_gguf() -> Path:
 
 
 def build_rows(args, heron: dict, llama: dict) -> dict[int, dict]:
-    keys = [k for _, k in SERVED_METRICS]
+    keys, work = [k for _, k in SERVED_METRICS], loads(args)
     rows = {}
     for c in levels(args):
+        title = f"concurrency {c}, {work[c].num} x {args.input_len}/{args.output_len}"
         h = heron[c] | {"threads": f"{args.threads} torch threads"}
         p = {PEER: llama[c] | {"threads": f"-t {args.threads}"}}
-        rows[c] = {"title": f"concurrency {c}", "heron": h, "peers": p} | compare(h, p, keys)
+        rows[c] = {"title": title, "heron": h, "peers": p} | compare(h, p, keys)
     return rows
 
 

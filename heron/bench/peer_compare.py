@@ -47,7 +47,7 @@ def format_comparison(rows: list[tuple[str, dict, dict, dict]],
         for n, (label, key) in enumerate(metrics):
             r = cmp["ratios"].get(key)
             cell = f"{r:.2f}x" if r is not None else "-"
-            if n == 0 and cmp["stronger"] is not None:
+            if n == 0 and cmp["stronger"] is not None and len(peer_labels) > 1:
                 cell += f" (vs {cmp['stronger']})"
             table.append([title if n == 0 else "", label, heron.get(key),
                           *(peers.get(p, {}).get(key) for p in peer_labels), cell])
