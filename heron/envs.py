@@ -22,6 +22,7 @@ if TYPE_CHECKING:  # the attributes, typed, for readers and type checkers
     HERON_CACHE_DIR: Path
     HERON_FAULT_INJECTION_TOKEN: int | None
     HERON_BATCH_INVARIANT: bool
+    HERON_CPU_OMP_THREADS_BIND: str | None
     HERON_VLLM_VENV: Path
     MASTER_ADDR: str
     MASTER_PORT: int | None
@@ -68,6 +69,10 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # give a row the same bits whatever else is in its batch (quantized layers and attention
     # always do), at some cost for small batches (``heron.layers.cpu_gemm``). Default off.
     "HERON_BATCH_INVARIANT": lambda: _truthy("HERON_BATCH_INVARIANT"),
+    # Pin each CPU rank's torch threads to cores (vLLM's VLLM_CPU_OMP_THREADS_BIND): "auto"
+    # (the last cores, one set per rank), a list ("0-1", "0,2"; "0-1|2-3" one per local rank)
+    # or "nobind". Default: nobind (``heron.worker.cpu_binding`` says why).
+    "HERON_CPU_OMP_THREADS_BIND": lambda: _get("HERON_CPU_OMP_THREADS_BIND"),
 
     # ---- multi-node (torch.distributed's names; a LeaderWorkerSet sets them) ----
     # The defaults of --master-addr (127.0.0.1) and --master-port (unset: a free port, on a

@@ -23,6 +23,7 @@ from heron.distributed import get_pp_group, get_tp_group, init_parallel
 from heron.layers import cpu_gemm
 from heron.layers.dispatch import apply_custom_ops
 from heron.speculative.factory import load_draft
+from heron.worker import cpu_binding
 from heron.worker.memory import KVLayout, num_kv_blocks
 from heron.worker.model_runner import ModelRunner
 from heron.worker.step import ModelRunnerOutput, SchedulerOutput, WorkerInfo
@@ -60,6 +61,7 @@ class Worker:
                           par.collective_timeout_s)
         if self.device.type == "cpu":
             _build_cpu_kernels()
+            _bind_threads(rank % par.ranks_per_node, par.ranks_per_node)
             if envs.HERON_BATCH_INVARIANT:
                 cpu_gemm.set_batch_invariant(True)
                 logger.info("batch invariant: float32 projections use one GEMM form for "
@@ -171,6 +173,20 @@ def _set_threads(config: EngineConfig, device: torch.device, rank: int) -> None:
         return
     if rank == 0:
         logger.info("torch threads: %s", why)
+
+
+def _bind_threads(local_rank: int, ranks_per_node: int) -> None:
+    """Pins this rank's torch threads as ``HERON_CPU_OMP_THREADS_BIND`` says (default: no)."""
+    cpus = cpu_binding.cpus_for_rank(envs.HERON_CPU_OMP_THREADS_BIND, torch.get_num_threads(),
+                                     local_rank, ranks_per_node)
+    if cpus is None:
+        return
+    if not hasattr(torch.ops.heron_cpu, "bind_threads"):
+        raise RuntimeError("HERON_CPU_OMP_THREADS_BIND needs heron's C++ CPU kernels, "
+                           "which did not build here")
+    torch.ops.heron_cpu.bind_threads(cpus)
+    logger.info("torch threads of rank %d pinned to cores %s (HERON_CPU_OMP_THREADS_BIND)",
+                local_rank, cpus)
 
 
 def _agree_min(value: int, device: torch.device) -> int:

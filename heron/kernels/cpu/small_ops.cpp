@@ -12,10 +12,13 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <sched.h>
+
 #include <cmath>
-#include <limits>
 #include <cstring>
+#include <limits>
 #include <tuple>
+#include <vector>
 
 #include "simd.h"
 
@@ -198,9 +201,31 @@ void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& key_cache,
   }
 }
 
+// Pins ATen's intra-op thread i to CPU cpus[i] (as vLLM's init_cpu_threads_env does), so the
+// OS never moves a compute thread, nor parks two on one core. cpus.size() must equal
+// at::get_num_threads(): ATen's OpenMP parallel_for over that many items of grain 1 gives
+// each thread exactly the item of its thread number, and the pool keeps its threads.
+void bind_threads(at::IntArrayRef cpus) {
+  const int64_t n = static_cast<int64_t>(cpus.size());
+  TORCH_CHECK(n == at::get_num_threads(), "bind_threads: ", n, " CPUs for ",
+              at::get_num_threads(), " threads");
+  std::vector<int> failed(n, 0);
+  at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      cpu_set_t set;
+      CPU_ZERO(&set);
+      CPU_SET(static_cast<int>(cpus[i]), &set);
+      failed[i] = sched_setaffinity(0, sizeof(set), &set) != 0;  // 0: the calling thread
+    }
+  });
+  for (int64_t i = 0; i < n; ++i)
+    TORCH_CHECK(!failed[i], "bind_threads: cannot pin thread ", i, " to CPU ", cpus[i]);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(heron_cpu, m) {
+  m.def("bind_threads(int[] cpus) -> ()", &bind_threads);  // no tensor: every backend
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
   m.def("rotary(Tensor x, Tensor cos, Tensor sin) -> Tensor");
