@@ -221,6 +221,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=2, help="heron's torch threads")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-vllm", action="store_true", help="profile heron only")
+    p.add_argument("--vllm-from", help="take vLLM's rows from this earlier profile_ops.json "
+                   "(same workload) and profile heron only")
     p.add_argument("--workdir", help="where traces and logs are kept (default: a new temp dir)")
     p.add_argument("--no-write", action="store_true", help="do not write results files")
     return p.parse_args(argv)
@@ -239,7 +241,11 @@ def main(argv=None) -> int:
     print("profiling heron", file=sys.stderr, flush=True)
     records, outputs = {}, {}
     records["heron"], outputs["heron"] = profile_heron(args, model_dir, work, tmp)
-    for b in [] if args.no_vllm else bindings():
+    if args.vllm_from:  # vLLM's records from an earlier run of this workload
+        for name, rec in json.loads(Path(args.vllm_from).read_text())["engines"].items():
+            if name != "heron":
+                records[name] = rec
+    for b in [] if args.no_vllm or args.vllm_from else bindings():
         print(f"profiling vLLM {b.name}", file=sys.stderr, flush=True)
         try:
             records[f"vLLM {b.name}"], outputs[b.name] = profile_vllm(
