@@ -1,7 +1,8 @@
 """The accuracy effect of ``swiglu_limit`` on a real model, measured before trusting the kernel:
 perplexity of SmolLM2-135M-Instruct (heron's embedded GGUF) on held-out text (the Shakespeare
-play ``heron quantize`` never calibrates on, as benchmarks/quantization.py), with the built-in
-activation and with the plugin selected, and how often the clamp bites (gate > 7 or |up| > 7).
+play ``heron quantize`` never calibrates on, as benchmarks/quantization.py), through heron's
+engine with the built-in activation and with ``--custom-ops swiglu_limit``, and how often the
+clamp bites (gate > 7 or |up| > 7).
 
     .venv/bin/python examples/heron-op-swiglu-limit/measure.py [--chunks 8 --chunk-len 256]
 """
@@ -12,73 +13,22 @@ import argparse
 import json
 import math
 
-import torch
+from heron import LLM, SamplingParams
 
-from heron.attention import AttentionMetadata, ForwardContext, forward_context
-from heron.attention import get_attention_backend
-from heron.layers.dispatch import apply_custom_ops
-from heron.layers.rotary import RotaryEmbedding
-from heron.loader.model_source import resolve_model
-from heron.loader.weights import build_model, materialize_weights, optimize_layout
-from heron.models import ModelArchConfig
-from heron.loader.gguf_loader import find_default_gguf
-from heron.quant.config import resolve_quantization
-
-CPU, LIMIT = torch.device("cpu"), 7.0
+LIMIT = 7.0
 
 
-def load():
-    """(model, tokenizer) of the embedded SmolLM2 GGUF, as the worker builds it on CPU."""
-    from transformers import AutoTokenizer
-
-    source = resolve_model(None)
-    arch = ModelArchConfig.from_hf(source.hf_config)
-    quant = resolve_quantization(source.quantization, source.is_gguf, None, "cpu")
-    model = build_model(arch, torch.float32, CPU, quant)
-    materialize_weights(model, source, "auto", torch.float32, 0, quant)
-    optimize_layout(model, CPU)
-    path = find_default_gguf()
-    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    return model, tok
-
-
-def logits(model, ids: list[int]) -> torch.Tensor:
-    """One prefill of ``ids`` with the torch attention backend -> (T, vocab) float32."""
-    cfg, n, bs = model.config, len(ids), 16
-    blocks = -(-n // bs)
-    for m in model.modules():
-        if isinstance(m, RotaryEmbedding):
-            m.reserve(n, CPU)
-    kv = [torch.zeros(2, blocks, bs, cfg.num_kv_heads, cfg.head_dim)
-          for _ in range(cfg.num_layers)]
-    md = AttentionMetadata(torch.arange(n), torch.arange(blocks)[None], torch.tensor([n]),
-                           torch.tensor([0, n]), [0, n], [n], [n], bs)
-    with torch.inference_mode(), forward_context(
-            ForwardContext(md, kv, get_attention_backend("torch", CPU))):
-        return model.compute_logits(model(torch.tensor(ids), torch.arange(n)))
-
-
-def perplexity(model, chunks: list[list[int]]) -> float:
-    nll, count = 0.0, 0
-    for ids in chunks:
-        logp = torch.log_softmax(logits(model, ids).double(), dim=-1)
-        nll -= logp[torch.arange(len(ids) - 1), torch.tensor(ids[1:])].sum().item()
-        count += len(ids) - 1
-    return math.exp(nll / count)
-
-
-def count_bites(model) -> dict:
+def count_bites(model) -> tuple[dict, list]:
     """Hooks on each MLP's gate_up projection counting where the clamp changes an input."""
     stats = dict(elements=0, gate=0, up=0, tokens=0, tokens_bitten=0, max_gate=0.0, max_up=0.0)
 
     def hook(module, args, out):
         gate, up = out.chunk(2, dim=-1)
-        bite = (gate > LIMIT) | (up.abs() > LIMIT)
         stats["elements"] += gate.numel()
         stats["gate"] += int((gate > LIMIT).sum())
         stats["up"] += int((up.abs() > LIMIT).sum())
         stats["tokens"] += gate.shape[0]
-        stats["tokens_bitten"] += int(bite.any(dim=-1).sum())
+        stats["tokens_bitten"] += int(((gate > LIMIT) | (up.abs() > LIMIT)).any(dim=-1).sum())
         stats["max_gate"] = max(stats["max_gate"], float(gate.max()))
         stats["max_up"] = max(stats["max_up"], float(up.abs().max()))
 
@@ -87,24 +37,38 @@ def count_bites(model) -> dict:
     return stats, handles
 
 
-def main() -> None:
+def perplexity(llm: LLM, chunks: list[list[int]]) -> float:
+    """exp(mean NLL) of each chunk's tokens after its first, from the prompt logprobs."""
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
+    outs = llm.generate([{"prompt_token_ids": c} for c in chunks], params)
+    nll = -sum(out.prompt_logprobs[pos][chunk[pos]][0]
+               for chunk, out in zip(chunks, outs) for pos in range(1, len(chunk)))
+    return math.exp(nll / sum(len(c) - 1 for c in chunks))
+
+
+def held_out_chunks(llm: LLM, num: int, length: int) -> list[list[int]]:
     from heron.quantizer.calibration import held_out_text
 
+    ids = llm.get_tokenizer()(held_out_text(), add_special_tokens=False)["input_ids"]
+    stride = (len(ids) - length) // max(1, num - 1)
+    chunks = [ids[i:i + length] for i in range(0, stride * num, stride)]
+    return [c for c in chunks if len(c) == length][:num]
+
+
+def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--chunks", type=int, default=8)
     p.add_argument("--chunk-len", type=int, default=256)
     args = p.parse_args()
-    model, tok = load()
-    ids = tok(held_out_text(), add_special_tokens=False)["input_ids"]
-    stride = (len(ids) - args.chunk_len) // max(1, args.chunks - 1)
-    chunks = [ids[i:i + args.chunk_len] for i in range(0, stride * args.chunks, stride)]
-    chunks = [c for c in chunks if len(c) == args.chunk_len][:args.chunks]
-    stats, handles = count_bites(model)
-    base = perplexity(model, chunks)
+    # no prefix caching: the second engine must compute every chunk with its own activation
+    builtin = LLM(enable_prefix_caching=False)
+    chunks = held_out_chunks(builtin, args.chunks, args.chunk_len)
+    stats, handles = count_bites(builtin.engine.core.executor.worker.runner.model)
+    base = perplexity(builtin, chunks)
     for h in handles:
         h.remove()
-    apply_custom_ops(model, "swiglu_limit", CPU, torch.float32)
-    clamped = perplexity(model, chunks)
+    del builtin
+    clamped = perplexity(LLM(enable_prefix_caching=False, custom_ops="swiglu_limit"), chunks)
     record = dict(model="SmolLM2-135M-Instruct (embedded GGUF)", chunks=len(chunks),
                   chunk_len=args.chunk_len, ppl_builtin=base, ppl_swiglu_limit=clamped,
                   ppl_delta_pct=100 * (clamped / base - 1), **stats)
