@@ -51,11 +51,17 @@ def cpu_ops_enabled(x: torch.Tensor) -> bool:
 # slot -> kernel, set by the hooks ``apply_custom_ops`` puts on that model; None elsewhere,
 # and then every layer takes the built-in path above unchanged.
 _custom: ContextVar[dict[str, Callable] | None] = ContextVar("heron_custom_ops", default=None)
+# How many models in this process have layer ops selected. While none has, custom_kernel
+# answers without reading the ContextVar, which dynamo cannot trace (the compiled forward,
+# ``heron.worker.compiled_forward``, then sees a plain global).
+_scoped_models = 0
 
 
 def custom_kernel(slot: str) -> Callable | None:
     """The kernel selected for ``slot`` (e.g. "activation:silu_and_mul") in the running
     model's forward, or None (the built-in path)."""
+    if not _scoped_models:
+        return None
     ops = _custom.get()
     return None if ops is None else ops.get(slot)
 
@@ -119,5 +125,7 @@ def _scope_to_forward(model: nn.Module, ops: dict[str, Callable]) -> None:
     def leave(module, args, output):
         _custom.reset(tokens.pop())
 
+    global _scoped_models
+    _scoped_models += 1
     model.register_forward_pre_hook(enter)
     model.register_forward_hook(leave, always_call=True)
