@@ -154,24 +154,34 @@ void load_queries(const T* q, int64_t token_stride, int64_t group, int64_t rows,
   }
 }
 
+// fn(k, n, row) for each run of positions first + k .. first + k + n - 1 that share a page of
+// `cache` (the key or the value cache of kv): row points at the first of them, in kv's head;
+// the next rows are kv.position_stride apart. One division per page, not per position.
+template <typename T, typename Fn>
+inline void for_each_page_run(const PagedHead<T>& kv, const T* cache, int64_t first,
+                              int64_t count, const Fn& fn) {
+  for (int64_t pos = first; pos < first + count;) {
+    const int64_t page = pos / kv.block_size, slot = pos % kv.block_size;
+    const int64_t n = std::min(kv.block_size - slot, first + count - pos);
+    fn(pos - first, n, cache + (kv.block_table[page] * kv.block_size + slot) *
+                               kv.position_stride + kv.head_offset);
+    pos += n;
+  }
+}
+
 // dst[k][d] = row of position first + k of `cache` (the key or the value cache of kv), as
 // float, for k < count; one page at a time.
 template <typename T>
 void load_kv(const PagedHead<T>& kv, const T* cache, int64_t first, int64_t count,
              float* dst) {
   const int64_t head_dim = kv.head_dim, whole = head_dim / kLanes * kLanes;
-  for (int64_t pos = first; pos < first + count;) {
-    const int64_t page = pos / kv.block_size, slot = pos % kv.block_size;
-    const int64_t n = std::min(kv.block_size - slot, first + count - pos);
-    const T* src = cache + (kv.block_table[page] * kv.block_size + slot) * kv.position_stride +
-                   kv.head_offset;
-    float* row = dst + (pos - first) * head_dim;
+  for_each_page_run(kv, cache, first, count, [&](int64_t k0, int64_t n, const T* src) {
+    float* row = dst + k0 * head_dim;
     for (int64_t k = 0; k < n; ++k, src += kv.position_stride, row += head_dim) {
       for (int64_t d = 0; d < whole; d += kLanes) store(row + d, load_as_float(src + d));
       for (int64_t d = whole; d < head_dim; ++d) row[d] = static_cast<float>(src[d]);
     }
-    pos += n;
-  }
+  });
 }
 
 // s[k][r] = -inf where key position first + k is not visible to query position qpos[r]:

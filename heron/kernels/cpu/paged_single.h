@@ -23,36 +23,13 @@ namespace heron_cpu {
 
 constexpr int64_t kKeyVectors = kKeyTile / kLanes;
 
-// Asks for the keys and values of positions first .. first + count - 1 (span values of each
-// row from kv's head on) to be brought into L2 ahead of their key step.
-template <typename T>
-void prefetch_step(const PagedHead<T>& kv, int64_t first, int64_t count, int64_t span) {
-  constexpr int64_t kLine = 64 / sizeof(T);  // values per cache line
-  for (int64_t pos = first; pos < first + count;) {  // a page at a time
-    const int64_t slot = pos % kv.block_size, n = std::min(kv.block_size - slot,
-                                                           first + count - pos);
-    int64_t offset = (kv.block_table[pos / kv.block_size] * kv.block_size + slot) *
-                         kv.position_stride + kv.head_offset;
-    for (int64_t k = 0; k < n; ++k, offset += kv.position_stride)
-      for (int64_t d = 0; d < span; d += kLine) {
-        __builtin_prefetch(kv.key_cache + offset + d, 0, 2);
-        __builtin_prefetch(kv.value_cache + offset + d, 0, 2);
-      }
-    pos += n;
-  }
-}
-
 // kt[d][k] = key position first + k as float, for k < count; lanes k >= count are zero.
 template <typename T>
 void load_keys_transposed(const PagedHead<T>& kv, int64_t first, int64_t count, float* kt) {
   const T* rows[kKeyTile];
-  for (int64_t k = 0; k < count;) {  // a page at a time: one division per page
-    const int64_t pos = first + k, slot = pos % kv.block_size;
-    const T* row = kv.key_cache + (kv.block_table[pos / kv.block_size] * kv.block_size + slot) *
-                                      kv.position_stride + kv.head_offset;
-    for (const int64_t end = std::min(count, k + kv.block_size - slot); k < end; ++k)
-      rows[k] = row + (k - (pos - first)) * kv.position_stride;
-  }
+  for_each_page_run(kv, kv.key_cache, first, count, [&](int64_t k0, int64_t n, const T* row) {
+    for (int64_t k = k0; k < k0 + n; ++k, row += kv.position_stride) rows[k] = row;
+  });
   for (int64_t k = count; k < kKeyTile; ++k) rows[k] = rows[count - 1];  // lanes past count
   for (int64_t k0 = 0; k0 < kKeyTile; k0 += kLanes) {
     vfloat keep;
@@ -101,17 +78,13 @@ void add_values_block(const PagedHead<T>& kv, int64_t first, int64_t count, cons
                       float corr, int64_t v_offset, float* o) {
   vfloat acc[NV];
   for (int v = 0; v < NV; ++v) acc[v] = load(o + v_offset + v * kLanes) * splat(corr);
-  for (int64_t pos = first; pos < first + count;) {  // one page at a time
-    const int64_t slot = pos % kv.block_size, n = std::min(kv.block_size - slot,
-                                                           first + count - pos);
-    const T* row = kv.value_cache + (kv.block_table[pos / kv.block_size] * kv.block_size +
-                                     slot) * kv.position_stride + kv.head_offset + v_offset;
-    for (int64_t k = pos - first; k < pos - first + n; ++k, row += kv.position_stride) {
+  for_each_page_run(kv, kv.value_cache, first, count, [&](int64_t k0, int64_t n, const T* row) {
+    row += v_offset;
+    for (int64_t k = k0; k < k0 + n; ++k, row += kv.position_stride) {
       const vfloat pk = splat(p[k]);
       for (int v = 0; v < NV; ++v) acc[v] = fmadd(load_as_float(row + v * kLanes), pk, acc[v]);
     }
-    pos += n;
-  }
+  });
   for (int v = 0; v < NV; ++v) store(o + v_offset + v * kLanes, acc[v]);
 }
 
@@ -157,8 +130,6 @@ void attend_single(const PagedHead<T>& kv, int64_t kv_heads, const T* q, T* out,
   const int64_t lo = window > 0 ? std::max<int64_t>(0, pos - window + 1) / kKeyTile * kKeyTile : 0;
   for (int64_t first = lo; first <= pos; first += kKeyTile) {
     const int64_t count = std::min(kKeyTile, pos - first + 1);
-    const int64_t next = first + kKeyTile;
-    if (next <= pos) prefetch_step(kv, next, std::min(kKeyTile, pos - next + 1), kv_heads * head_dim);
     for (int64_t j = 0; j < kv_heads; ++j) {
       PagedHead<T> head = kv;
       head.head_offset += j * head_dim;
