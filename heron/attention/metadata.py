@@ -85,6 +85,9 @@ class ForwardContext:
     backend: object
     # Fused Triton kernels for RMSNorm, rotary and SiLU-and-mul (see heron.layers.dispatch).
     use_triton_ops: bool = False
+    # A model may run its decoder layers through heron_cpu's LayerStack (one C++ call per
+    # step, heron.models.layer_stack) where it has an exact form for them.
+    use_cpu_layer_stack: bool = False
 
 
 _context: ForwardContext | None = None

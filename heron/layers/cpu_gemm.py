@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from heron.quant.base import UnquantizedEmbeddingMethod, UnquantizedLinearMethod
+from heron.quant.base import StackLinear, UnquantizedEmbeddingMethod, UnquantizedLinearMethod
 
 GEMV_MAX_ROWS = 3  # up to this many rows the column-major copy is used
 BATCH_INVARIANT = False  # True: the packed form for every row count (see the docstring)
@@ -77,6 +77,9 @@ class CpuGemmMethod(UnquantizedEmbeddingMethod):
 
     def apply(self, layer, x, bias=None):
         return self.gemm(x, bias)
+
+    def stack_form(self, layer):
+        return StackLinear(StackLinear.GEMM, self.gemm.gemv, self.gemm.packed)
 
 
 def use_cpu_gemm(layer: nn.Module) -> None:

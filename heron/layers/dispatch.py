@@ -66,6 +66,11 @@ def custom_kernel(slot: str) -> Callable | None:
     return None if ops is None else ops.get(slot)
 
 
+def custom_ops_selected() -> bool:
+    """True inside the forward of a model with layer ops selected (``apply_custom_ops``)."""
+    return bool(_scoped_models) and bool(_custom.get())
+
+
 def apply_custom_ops(model: nn.Module, names: str | Iterable[str] | None,
                      device: torch.device | str = "cpu",
                      dtype: torch.dtype = torch.float32) -> dict[str, str]:

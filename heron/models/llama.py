@@ -20,6 +20,7 @@ from heron.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from heron.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from heron.layers.norm import RMSNorm
 from heron.layers.rotary import RotaryEmbedding, apply_rotary
+from heron.models import layer_stack
 from heron.models.config import ModelArchConfig
 
 
@@ -100,6 +101,7 @@ class DecoderModel(nn.Module):
             for i in range(cfg.num_layers))
         if self.is_last_stage:
             self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.cpu_layer_stack = layer_stack.UNBUILT  # built on the first step that can use it
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 intermediate: IntermediateTensors | None = None,
@@ -114,8 +116,12 @@ class DecoderModel(nn.Module):
             hidden, residual = intermediate.hidden, intermediate.residual
         rope = self.rotary_emb(positions, hidden.dtype)
         layers = self.layer_range if num_layers is None else self.layer_range[:num_layers]
-        for i in layers:
-            hidden, residual = self.layers[i](hidden, residual, rope)
+        stack = layer_stack.step_stack(self, hidden)
+        if stack is not None:
+            hidden, residual = layer_stack.run(stack, self, hidden, residual, rope, layers)
+        else:
+            for i in layers:
+                hidden, residual = self.layers[i](hidden, residual, rope)
         if not self.is_last_stage:
             return IntermediateTensors(hidden, residual)
         return self.norm(hidden, residual)[0]

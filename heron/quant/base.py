@@ -76,6 +76,24 @@ def add_param(layer: nn.Module, name: str, shape: tuple[int, ...], dtype: torch.
     return param
 
 
+@dataclass(frozen=True)
+class StackLinear:
+    """A projection as heron_cpu's LayerStack runs it (``heron/kernels/cpu/layer_stack.cpp``):
+    the C++ call that gives the same bits as the method's ``apply``. ``kind``: GEMM (``a`` the
+    column-major weight or None, ``b`` oneDNN's packed one), PLAIN (``a`` a float32 weight for
+    ``aten::linear``) or GROUPED (``a, b, c`` = qweight, scales, mins of heron's grouped
+    integer layout, ``heron_cpu::quant_linear``; the bias added after)."""
+
+    GEMM, PLAIN, GROUPED = 0, 1, 2
+
+    kind: int
+    a: torch.Tensor | None
+    b: torch.Tensor | None = None
+    c: torch.Tensor | None = None
+    group_size: int = 0
+    bits: int = 0
+
+
 class LinearMethod:
     """How one linear layer stores and multiplies its weight (see the module docstring).
 
@@ -103,6 +121,11 @@ class LinearMethod:
     def describe(self) -> str:
         return self.name
 
+    def stack_form(self, layer: nn.Module) -> StackLinear | None:
+        """The layer's matmul as the CPU LayerStack runs it, or None where it has no C++
+        form with the same bits (then the model runs its layers in Python)."""
+        return None
+
 
 class UnquantizedLinearMethod(LinearMethod):
     """A float weight (out, in) in the model dtype, multiplied by ``F.linear``."""
@@ -118,6 +141,10 @@ class UnquantizedLinearMethod(LinearMethod):
     def weight_bytes(self, layer) -> int:
         w = layer.weight
         return w.numel() * w.element_size()
+
+    def stack_form(self, layer):
+        w = layer.weight
+        return StackLinear(StackLinear.PLAIN, w) if w.dtype == torch.float32 else None
 
 
 class UnquantizedEmbeddingMethod(UnquantizedLinearMethod):

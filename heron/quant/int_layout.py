@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from heron.quant.base import StackLinear
 from heron.kernels.int_pack import (  # noqa: F401 - re-exported: the layout's functions
     MAX_BITS, MIN_BITS, NIBBLE_MAX_BITS, check_groups, dequantize, pack_values, packed_width,
     unpack_values)
@@ -59,6 +60,11 @@ class GroupedIntWeight:
 
     def dequantize(self) -> torch.Tensor:
         return dequantize(self.qweight, self.scales, self.mins, self.group_size, self.bits)
+
+    def stack_form(self) -> StackLinear:
+        """This weight for the CPU LayerStack: ``heron_cpu::quant_linear`` on its tensors."""
+        return StackLinear(StackLinear.GROUPED, self.qweight, self.scales, self.mins,
+                           self.group_size, self.bits)
 
     def narrow_rows(self, start: int, length: int) -> GroupedIntWeight:
         """Output features start .. start + length (a tensor-parallel column shard)."""

@@ -62,6 +62,8 @@ class ModelRunner:
         self.block_size = block_size
         self.backend = get_attention_backend(backend, device)
         self.use_triton_ops = self.backend.name == "triton"
+        # the CPU's captured-graph counterpart: decoder layers in one C++ call per step
+        self.use_cpu_layer_stack = self.backend.name == "cpu" and not enforce_eager
         self.sampler = Sampler(seed, device)
         self.dtype = dtype
         self._tp, self._pp = get_tp_group(), get_pp_group()
@@ -113,7 +115,8 @@ class ModelRunner:
     def _forward_context(self, md: AttentionMetadata, kv_caches: list):
         """The ``with`` block in which model code attends over ``kv_caches`` through this
         runner's backend."""
-        return forward_context(ForwardContext(md, kv_caches, self.backend, self.use_triton_ops))
+        return forward_context(ForwardContext(md, kv_caches, self.backend, self.use_triton_ops,
+                                              self.use_cpu_layer_stack))
 
     def _device_inputs(self, host: HostBatch):
         """(input_ids (T,), positions (T,), attention metadata) of ``host`` on the device."""

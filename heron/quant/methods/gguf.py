@@ -17,7 +17,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from heron.quant.base import LinearMethod, ParamLayout, add_param
+from heron.quant.base import LinearMethod, ParamLayout, StackLinear, add_param
 from heron.quant.gguf_blocks import QuantizedRows
 from heron.quant.int_layout import GroupedIntWeight, quant_linear, unpack_values
 
@@ -64,6 +64,12 @@ class GGUFLinearMethod(LinearMethod):
         else:
             y = quant_linear(x, layer.grouped).to(x.dtype)
         return y if bias is None else y + bias
+
+    def stack_form(self, layer):
+        if layer.grouped is not None:
+            return layer.grouped.stack_form()
+        dense = layer.dense
+        return StackLinear(StackLinear.PLAIN, dense) if dense.dtype == torch.float32 else None
 
     def weight_bytes(self, layer) -> int:
         if layer.grouped is None:

@@ -79,5 +79,8 @@ class WeightOnlyIntMethod(LinearMethod):
         y = quant_linear(x, layer.grouped).to(x.dtype)
         return y if bias is None else y + bias
 
+    def stack_form(self, layer):
+        return layer.grouped.stack_form() if layer.input_perm is None else None
+
     def weight_bytes(self, layer) -> int:
         return layer.grouped.nbytes
