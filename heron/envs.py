@@ -23,6 +23,7 @@ if TYPE_CHECKING:  # the attributes, typed, for readers and type checkers
     HERON_FAULT_INJECTION_TOKEN: int | None
     HERON_BATCH_INVARIANT: bool
     HERON_CPU_OMP_THREADS_BIND: str | None
+    HERON_CPU_ALLOCATOR_CACHE_MB: int
     HERON_VLLM_VENV: Path
     MASTER_ADDR: str
     MASTER_PORT: int | None
@@ -36,6 +37,13 @@ def _get(name: str) -> str | None:
 
 def _truthy(name: str, accepted: tuple[str, ...] = ("1", "true", "yes", "on")) -> bool:
     return (os.environ.get(name) or "").strip().lower() in accepted
+
+
+def _cache_mb() -> int:
+    value = _int_or_none("HERON_CPU_ALLOCATOR_CACHE_MB")
+    if value is not None and value < 0:
+        raise ValueError(f"HERON_CPU_ALLOCATOR_CACHE_MB must be >= 0 MiB, got {value}")
+    return 1024 if value is None else value
 
 
 def _int_or_none(name: str) -> int | None:
@@ -73,6 +81,10 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # (the last cores, one set per rank), a list ("0-1", "0,2"; "0-1|2-3" one per local rank)
     # or "nobind". Default: nobind (``heron.worker.cpu_binding`` says why).
     "HERON_CPU_OMP_THREADS_BIND": lambda: _get("HERON_CPU_OMP_THREADS_BIND"),
+    # MiB of freed blocks a CPU worker's caching allocator may keep for reuse
+    # (heron/kernels/cpu/caching_allocator.cpp: no page faults on a step's intermediates);
+    # "0" leaves torch's default allocator. Default 1024.
+    "HERON_CPU_ALLOCATOR_CACHE_MB": lambda: _cache_mb(),
 
     # ---- multi-node (torch.distributed's names; a LeaderWorkerSet sets them) ----
     # The defaults of --master-addr (127.0.0.1) and --master-port (unset: a free port, on a
