@@ -14,6 +14,7 @@ these inside that model's forward; unselected slots take the paths above, bit fo
 
 from __future__ import annotations
 
+import weakref
 from contextvars import ContextVar
 from typing import Callable, Iterable
 
@@ -55,6 +56,11 @@ _custom: ContextVar[dict[str, Callable] | None] = ContextVar("heron_custom_ops",
 # answers without reading the ContextVar, which dynamo cannot trace (the compiled forward,
 # ``heron.worker.compiled_forward``, then sees a plain global).
 _scoped_models = 0
+
+
+def _forget_scoped_model() -> None:
+    global _scoped_models
+    _scoped_models -= 1
 
 
 def custom_kernel(slot: str) -> Callable | None:
@@ -132,5 +138,6 @@ def _scope_to_forward(model: nn.Module, ops: dict[str, Callable]) -> None:
 
     global _scoped_models
     _scoped_models += 1
+    weakref.finalize(model, _forget_scoped_model)  # a freed model no longer counts
     model.register_forward_pre_hook(enter)
     model.register_forward_hook(leave, always_call=True)

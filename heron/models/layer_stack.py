@@ -71,13 +71,12 @@ def run(stack, decoder, hidden: torch.Tensor, residual: torch.Tensor | None,
 def build(decoder):
     """A LayerStack over ``decoder``'s layers (this stage's), or None where a layer has a part
     the stack has no exact form for."""
-    from heron.models.llama import Attention, DecoderLayer, MLP
-
+    layer_cls, attention_cls, mlp_cls = decoder.exact_layer_types
     if get_tp_group().world_size > 1 or not hasattr(torch.classes, "heron_cpu"):
         return _UNAVAILABLE
     layers = [decoder.layers[i] for i in decoder.layer_range]
-    if not layers or any(type(layer) is not DecoderLayer or type(layer.self_attn) is not Attention
-                         or type(layer.mlp) is not MLP for layer in layers):
+    if not layers or any(type(layer) is not layer_cls or type(layer.self_attn) is not attention_cls
+                         or type(layer.mlp) is not mlp_cls for layer in layers):
         return _UNAVAILABLE
     attn = layers[0].self_attn
     eps = layers[0].input_layernorm.eps

@@ -88,6 +88,10 @@ class DecoderLayer(nn.Module):
 class DecoderModel(nn.Module):
     """This pipeline stage's part of the decoder (all of it without pipeline parallelism)."""
 
+    # the layer, attention and MLP classes the CPU LayerStack reproduces exactly (a plugin
+    # module swapped in for one of them keeps the Python loop)
+    exact_layer_types = (DecoderLayer, Attention, MLP)
+
     def __init__(self, cfg: ModelArchConfig, qkv_bias: bool, qk_norm: bool):
         super().__init__()
         pp = get_pp_group()

@@ -13,6 +13,8 @@
 // goes back to the system. Small allocations go to the allocator that was there before.
 //
 // Only where the memory comes from changes: no tensor's values, so no output changes.
+// (Advising the blocks as transparent huge pages was tried: 64 x 128/128 on SmolLM2 fp32
+// went 142-144 -> 134 out tok/s, so blocks stay on normal pages.)
 
 #include <c10/core/Allocator.h>
 #include <c10/core/CPUAllocator.h>

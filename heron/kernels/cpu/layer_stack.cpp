@@ -174,7 +174,8 @@ struct LayerStack : torch::CustomClassHolder {
         std::tie(hidden, residual) = ops.add_rms_norm.call(hidden, residual, layer.input_norm, eps);
       }
       // attention: qkv (T, H + 2 KVH, D); q and k heads rotated together
-      at::Tensor qkv = linear(layer.qkv, hidden, gemv_max_rows).view({tokens, q_heads + num_kv_heads, head_dim});
+      at::Tensor qkv = linear(layer.qkv, hidden, gemv_max_rows)
+                           .view({tokens, q_heads + num_kv_heads, head_dim});
       at::Tensor qk = qkv.narrow(1, 0, q_heads);
       if (layer.q_norm.has_value()) {  // F.rms_norm over each head, as RMSNorm on (T, heads, D)
         qk = at::cat({at::rms_norm(qk.narrow(1, 0, num_heads), {head_dim}, layer.q_norm, eps),
