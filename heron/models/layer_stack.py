@@ -31,7 +31,6 @@ from heron.layers.dispatch import cpu_ops_enabled, custom_ops_selected
 from heron.layers.norm import RMSNorm
 
 UNBUILT = object()  # a decoder's cpu_layer_stack before its first eligible step
-_UNAVAILABLE = None
 
 
 def step_stack(decoder, hidden: torch.Tensor):
@@ -72,23 +71,23 @@ def build(decoder):
     """A LayerStack over ``decoder``'s layers (this stage's), or None where a layer has a part
     the stack has no exact form for."""
     layer_cls, attention_cls, mlp_cls = decoder.exact_layer_types
-    if get_tp_group().world_size > 1 or not hasattr(torch.classes, "heron_cpu"):
-        return _UNAVAILABLE
+    if get_tp_group().world_size > 1:
+        return None
     layers = [decoder.layers[i] for i in decoder.layer_range]
     if not layers or any(type(layer) is not layer_cls or type(layer.self_attn) is not attention_cls
                          or type(layer.mlp) is not mlp_cls for layer in layers):
-        return _UNAVAILABLE
+        return None
     attn = layers[0].self_attn
     eps = layers[0].input_layernorm.eps
     try:
         stack = torch.classes.heron_cpu.LayerStack(attn.num_heads, attn.num_kv_heads,
                                                    attn.head_dim, eps, attn.scale)
     except (AttributeError, RuntimeError):  # the library was built without the stack
-        return _UNAVAILABLE
+        return None
     for layer in layers:
         parts = _layer_parts(layer, eps)
         if parts is None:
-            return _UNAVAILABLE
+            return None
         stack.add_layer(*parts)
     return stack
 

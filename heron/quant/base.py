@@ -93,6 +93,11 @@ class StackLinear:
     group_size: int = 0
     bits: int = 0
 
+    @classmethod
+    def plain(cls, weight: torch.Tensor) -> StackLinear | None:
+        """A dense weight multiplied by ``F.linear``: PLAIN where it is float32, else None."""
+        return cls(cls.PLAIN, weight) if weight.dtype == torch.float32 else None
+
 
 class LinearMethod:
     """How one linear layer stores and multiplies its weight (see the module docstring).
@@ -143,8 +148,7 @@ class UnquantizedLinearMethod(LinearMethod):
         return w.numel() * w.element_size()
 
     def stack_form(self, layer):
-        w = layer.weight
-        return StackLinear(StackLinear.PLAIN, w) if w.dtype == torch.float32 else None
+        return StackLinear.plain(layer.weight)
 
 
 class UnquantizedEmbeddingMethod(UnquantizedLinearMethod):

@@ -15,10 +15,10 @@ from dataclasses import dataclass
 
 import torch
 
-from heron.quant.base import StackLinear
 from heron.kernels.int_pack import (  # noqa: F401 - re-exported: the layout's functions
     MAX_BITS, MIN_BITS, NIBBLE_MAX_BITS, check_groups, dequantize, pack_values, packed_width,
     unpack_values)
+from heron.quant.base import StackLinear
 
 _FALLBACK_TILE_FLOATS = 1 << 22  # the torch fallback dequantizes ~16 MiB of weights at a time
 

@@ -1,12 +1,13 @@
 """heron's C++ CPU kernels (paged attention: decode, and any mix of ragged query chunks; the
 weight-only quantized linear layer over ``heron.quant.int_layout``; a layer's small ops:
-RMSNorm, rotary, SiLU-and-mul, the KV-cache write), compiled once per machine.
+RMSNorm, rotary, SiLU-and-mul, the KV-cache write; the LayerStack that runs a decoder's
+layers in one call; a caching CPU allocator), compiled once per machine.
 
-``load()`` builds ``paged_attention.cpp``, ``quant_linear.cpp`` and ``small_ops.cpp`` (and the
-headers next to them) into one library with torch's extension
-builder (ninja + the system C++ compiler, cached under ``TORCH_EXTENSIONS_DIR`` or
-``~/.cache/torch_extensions``) and registers ``torch.ops.heron_cpu.*``. Without a compiler it
-returns False once, with a warning, and callers keep the reference torch path.
+``load()`` builds the ``.cpp`` files of ``_SOURCES`` (and the headers next to them) into one
+library with torch's extension builder (ninja + the system C++ compiler, cached under
+``TORCH_EXTENSIONS_DIR`` or ``~/.cache/torch_extensions``) and registers
+``torch.ops.heron_cpu.*``. Without a compiler it returns False once, with a warning, and
+callers keep the reference torch path.
 ``python -m heron.kernels.cpu`` builds ahead of time.
 """
 

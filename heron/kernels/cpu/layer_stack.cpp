@@ -1,8 +1,7 @@
 // heron_cpu's LayerStack: the decoder layers of a Llama-family model (Llama, Mistral, Qwen2,
-// Qwen3)
-// run for one step in one call, so the host spends no Python per layer. At batch 1 on the
-// 2-core machine a step's Python between kernels (module calls, dispatch checks, views) cost
-// about as much as its weight reads; this is the CPU's answer to a captured CUDA graph.
+// Qwen3) run for one step in one call, so the host spends no Python per layer. At batch 1 on
+// the 2-core machine a step's Python between kernels (module calls, dispatch checks, views)
+// cost about as much as its weight reads; this is the CPU's answer to a captured CUDA graph.
 //
 // Exactness: a layer makes the same kernel calls, on the same tensors, in the same order, as
 // heron/models/llama.py's DecoderLayer.forward does on CPU float32 without autograd

@@ -68,8 +68,7 @@ class GGUFLinearMethod(LinearMethod):
     def stack_form(self, layer):
         if layer.grouped is not None:
             return layer.grouped.stack_form()
-        dense = layer.dense
-        return StackLinear(StackLinear.PLAIN, dense) if dense.dtype == torch.float32 else None
+        return StackLinear.plain(layer.dense)
 
     def weight_bytes(self, layer) -> int:
         if layer.grouped is None:
