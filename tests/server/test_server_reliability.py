@@ -115,13 +115,29 @@ def test_a_request_failing_inside_the_engine_costs_only_itself(server, client):
 
 
 # ---- 2. a disconnected non-streaming request ran to the end ---------------------------------
+def _abort_count(server) -> float:
+    text = httpx.get(f"{server.url}/metrics", timeout=5).text
+    line = [l for l in text.splitlines()
+            if l.startswith('heron:request_success_total{finished_reason="abort"}')]
+    return float(line[0].split()[-1]) if line else 0.0
+
+
 def test_non_streaming_request_is_aborted_when_its_client_leaves(server):
+    """The client leaves while its request runs (seen running in /stats, so no race with a fast
+    model finishing first): the engine aborts it, frees every block, and counts it "abort"."""
     server.wait_for(lambda s: s["num_running"] == 0)
-    with pytest.raises(httpx.TimeoutException):
-        httpx.post(f"{server.url}/v1/completions", headers=AUTH, timeout=1.0,
-                   json=_completion(max_tokens=1000, prompt="x"))
-    stats = server.wait_for(lambda s: s["num_running"] == 0 and s["num_waiting"] == 0, 5)
+    aborted_before = _abort_count(server)
+    body = json.dumps(_completion(max_tokens=900, prompt="x", n=32))
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+    try:
+        conn.request("POST", "/v1/completions", body, {**AUTH, "content-type": "application/json"})
+        running = server.wait_for(lambda s: s["num_running"] > 0, 30)
+        assert running["num_running"] > 0, "the request never ran"
+    finally:
+        conn.close()  # leave without reading the response
+    stats = server.wait_for(lambda s: s["num_running"] == 0 and s["num_waiting"] == 0, 30)
     assert stats["num_running"] == 0 and stats["num_free_blocks"] == stats["num_blocks"]
+    assert _abort_count(server) == aborted_before + 1
     _assert_serving(server)
 
 
