@@ -298,6 +298,9 @@ class EngineConfig:
     tokenizer: str | None = None  # a tokenizer directory other than the model's (--tokenizer)
     # plugin ops (heron.kernels.plugins) the worker selects for the model (--custom-ops)
     custom_ops: tuple[str, ...] = ()
+    # CPU: quantized layers multiply through 8-bit activations and integer dot products, as
+    # llama.cpp does (--cpu-int8-dot; faster at small batches, not exact). Default off.
+    cpu_int8_dot: bool = False
 
     def __post_init__(self) -> None:
         canonical_dtype(self.dtype)  # the name is checked now, resolved by the worker

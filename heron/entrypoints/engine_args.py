@@ -74,6 +74,11 @@ def engine_args(p: argparse.ArgumentParser, multi_node: bool = False) -> None:
                         "check-kernels --list` shows them) to run in place of the built-in "
                         "path of the slot each plugs into, e.g. swiglu_limit; a leading + as "
                         "in vLLM's compilation_config.custom_ops is accepted (default: none)")
+    g.add_argument("--cpu-int8-dot", action="store_true",
+                   help="CPU: quantized layers (GGUF, GPTQ, AWQ, ...) round each token's "
+                        "activations to 8 bits per 32 features and multiply with integer dot "
+                        "products, as llama.cpp does: faster decoding, not exact against the "
+                        "default dequantized path (README: its perplexity cost). Default off")
     _parallel_args(p, multi_node)
     _logging_args(p)
 

@@ -82,9 +82,10 @@ class StackLinear:
     the C++ call that gives the same bits as the method's ``apply``. ``kind``: GEMM (``a`` the
     column-major weight or None, ``b`` oneDNN's packed one), PLAIN (``a`` a float32 weight for
     ``aten::linear``) or GROUPED (``a, b, c`` = qweight, scales, mins of heron's grouped
-    integer layout, ``heron_cpu::quant_linear``; the bias added after)."""
+    integer layout, ``heron_cpu::quant_linear``; the bias added after) or GROUPED_INT8 (the
+    same tensors, ``heron_cpu::quant_linear_int8``: 8-bit activations)."""
 
-    GEMM, PLAIN, GROUPED = 0, 1, 2
+    GEMM, PLAIN, GROUPED, GROUPED_INT8 = 0, 1, 2, 3
 
     kind: int
     a: torch.Tensor | None
@@ -130,6 +131,24 @@ class LinearMethod:
         """The layer's matmul as the CPU LayerStack runs it, or None where it has no C++
         form with the same bits (then the model runs its layers in Python)."""
         return None
+
+    def use_int8_activations(self, layer: nn.Module) -> bool:
+        """Switch the layer's CPU matmul to 8-bit activations and integer dot products
+        (``--cpu-int8-dot``); False where the method has no such path (the default)."""
+        return False
+
+
+def use_int8_activations(model: nn.Module) -> int:
+    """Every layer of ``model`` whose method can multiply through 8-bit activations does so
+    from now on (not exact against the dequantized path); returns how many switched. A
+    method shared by two layers (a tied LM head's) counts once."""
+    switched = set()
+    for layer in model.modules():
+        method = getattr(layer, "quant_method", None)
+        if method is not None and id(method) not in switched and \
+                method.use_int8_activations(layer):
+            switched.add(id(method))
+    return len(switched)
 
 
 class UnquantizedLinearMethod(LinearMethod):

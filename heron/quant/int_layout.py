@@ -21,6 +21,7 @@ from heron.kernels.int_pack import (  # noqa: F401 - re-exported: the layout's f
 from heron.quant.base import StackLinear
 
 _FALLBACK_TILE_FLOATS = 1 << 22  # the torch fallback dequantizes ~16 MiB of weights at a time
+INT8_BLOCK = 32  # features per activation scale on the 8-bit activation path
 
 
 @dataclass
@@ -34,6 +35,9 @@ class GroupedIntWeight:
     bits: int
     in_features: int
     out_features: int
+    # multiply on CPU with activations rounded to 8 bits per 32 features and integer dot
+    # products (heron_cpu::quant_linear_int8): faster, not exact (--cpu-int8-dot)
+    int8_activations: bool = False
 
     def __post_init__(self) -> None:
         k = check_groups(self.qweight, self.scales, self.mins, self.group_size, self.bits)
@@ -61,10 +65,18 @@ class GroupedIntWeight:
     def dequantize(self) -> torch.Tensor:
         return dequantize(self.qweight, self.scales, self.mins, self.group_size, self.bits)
 
+    def use_int8_activations(self) -> bool:
+        """From now on multiply through 8-bit activations (``int8_activations``) where the
+        groups allow it (a multiple of 32 features); returns whether they do."""
+        self.int8_activations = self.group_size % INT8_BLOCK == 0
+        return self.int8_activations
+
     def stack_form(self) -> StackLinear:
-        """This weight for the CPU LayerStack: ``heron_cpu::quant_linear`` on its tensors."""
-        return StackLinear(StackLinear.GROUPED, self.qweight, self.scales, self.mins,
-                           self.group_size, self.bits)
+        """This weight for the CPU LayerStack: ``heron_cpu::quant_linear`` (or its 8-bit
+        activation form) on its tensors."""
+        kind = StackLinear.GROUPED_INT8 if self.int8_activations else StackLinear.GROUPED
+        return StackLinear(kind, self.qweight, self.scales, self.mins, self.group_size,
+                           self.bits)
 
     def narrow_rows(self, start: int, length: int) -> GroupedIntWeight:
         """Output features start .. start + length (a tensor-parallel column shard)."""
@@ -76,7 +88,8 @@ class GroupedIntWeight:
             return t.narrow(0, start, length).contiguous()
 
         return GroupedIntWeight(rows(self.qweight), rows(self.scales), rows(self.mins),
-                                self.group_size, self.bits, self.in_features, length)
+                                self.group_size, self.bits, self.in_features, length,
+                                self.int8_activations)
 
 
 @functools.cache
@@ -108,8 +121,9 @@ def quant_linear(x: torch.Tensor, w: GroupedIntWeight) -> torch.Tensor:
         return y.reshape(*lead, w.out_features)
     x2 = x.reshape(-1, w.in_features).to(torch.float32)
     if x2.device.type == "cpu" and w.qweight.device.type == "cpu" and _kernel_ready():
-        y = torch.ops.heron_cpu.quant_linear(x2, w.qweight, w.scales, w.mins, w.group_size,
-                                             w.bits)
+        op = torch.ops.heron_cpu.quant_linear_int8 if w.int8_activations else \
+            torch.ops.heron_cpu.quant_linear
+        y = op(x2, w.qweight, w.scales, w.mins, w.group_size, w.bits)
     else:
         y = _quant_linear_torch(x2, w)
     return y.reshape(*lead, w.out_features)

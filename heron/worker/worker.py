@@ -17,6 +17,7 @@ from heron.logging_config import startup_phase
 from heron.loader.model_source import ModelSource, resolve_model
 from heron.loader.weights import (build_model, materialize_weights, model_weight_bytes,
                                   optimize_layout)
+from heron.quant.base import use_int8_activations
 from heron.quant.config import resolve_quantization
 from heron.models import ModelArchConfig
 from heron.distributed import get_pp_group, get_tp_group, init_parallel
@@ -41,6 +42,20 @@ def fit_max_model_len(wanted: int, configured: int | None, capacity: int) -> int
                          f"tokens; lower it or give the cache more memory")
     logger.warning("max_model_len lowered from %d to the KV capacity %d", wanted, capacity)
     return capacity
+
+
+def _use_int8_dot(model, device: torch.device) -> None:
+    """--cpu-int8-dot: the model's quantized layers multiply through 8-bit activations."""
+    if device.type != "cpu":
+        logger.warning("--cpu-int8-dot applies on CPU only; ignored on %s", device)
+        return
+    switched = use_int8_activations(model)
+    if switched:
+        logger.info("--cpu-int8-dot: %d quantized layers multiply through 8-bit activations "
+                    "(integer dot products; not exact against the dequantized path)", switched)
+    else:
+        logger.warning("--cpu-int8-dot: no layer of this model takes 8-bit activations (it "
+                       "needs integer weights with groups of a multiple of 32 features)")
 
 
 class Worker:
@@ -118,6 +133,8 @@ class Worker:
             materialize_weights(model, source, config.load_format, dtype, config.seed, quant)
             optimize_layout(model, self.device)
             self.custom_ops = apply_custom_ops(model, config.custom_ops, self.device, dtype)
+            if config.cpu_int8_dot:
+                _use_int8_dot(model, self.device)
             self.bytes_read = source.read_counter.bytes_read
             self.quantization = quant.describe() if quant else "none"
             self.weight_bytes = model_weight_bytes(model)

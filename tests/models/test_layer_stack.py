@@ -104,3 +104,15 @@ def test_smollm2_gguf():
     """The shipped model (Q4_1 projections, Q8_0 LM head): the grouped kernel in the stack."""
     prompts = _prompts(49152, seed=4)[:4]
     _assert_stack_matches_python(None, prompts, max_model_len=512)
+
+
+def test_int8_activations_in_the_stack_match_the_python_loop(tiny, tmp_path):
+    """--cpu-int8-dot: the stack calls quant_linear_int8 where the Python loop does."""
+    write_quantized(tiny.path, tmp_path / "gptq", "gptq-4bit-g32")
+    _assert_stack_matches_python(str(tmp_path / "gptq"), _prompts(512, seed=5),
+                                 cpu_int8_dot=True)
+
+
+def test_smollm2_gguf_with_int8_activations():
+    prompts = _prompts(49152, seed=6)[:3]
+    _assert_stack_matches_python(None, prompts, max_model_len=512, cpu_int8_dot=True)

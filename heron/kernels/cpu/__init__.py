@@ -23,8 +23,8 @@ from heron.logging_config import waiting
 logger = logging.getLogger(__name__)
 
 _DIR = Path(__file__).parent
-_SOURCES = [_DIR / "paged_attention.cpp", _DIR / "quant_linear.cpp", _DIR / "small_ops.cpp",
-            _DIR / "layer_stack.cpp", _DIR / "caching_allocator.cpp"]
+_SOURCES = [_DIR / "paged_attention.cpp", _DIR / "quant_linear.cpp", _DIR / "quant_linear_int8.cpp",
+            _DIR / "small_ops.cpp", _DIR / "layer_stack.cpp", _DIR / "caching_allocator.cpp"]
 
 
 def _headers_digest() -> str:

@@ -16,6 +16,7 @@
 //   kPlain:   a = float32 weight (out, in): aten::linear.
 //   kGrouped: a = qweight, b = scales, c = mins; heron_cpu::quant_linear(group_size, bits),
 //             the bias added after (as the weight-only methods do).
+//   kGroupedInt8: the same, through heron_cpu::quant_linear_int8 (8-bit activations).
 // Shapes: hidden, residual (T, hidden); cos, sin (T, D); per layer a KV cache
 // (2, num_blocks, block_size, KVH, D).
 
@@ -32,7 +33,7 @@ namespace {
 
 using OptTensor = std::optional<at::Tensor>;
 
-enum Kind : int64_t { kGemm = 0, kPlain = 1, kGrouped = 2 };
+enum Kind : int64_t { kGemm = 0, kPlain = 1, kGrouped = 2, kGroupedInt8 = 3 };
 
 struct Linear {
   int64_t kind = kPlain;
@@ -78,6 +79,8 @@ struct Ops {
       find_op<AttentionFn>("heron_cpu::paged_attention");
   c10::TypedOperatorHandle<QuantLinearFn> quant_linear =
       find_op<QuantLinearFn>("heron_cpu::quant_linear");
+  c10::TypedOperatorHandle<QuantLinearFn> quant_linear_int8 =
+      find_op<QuantLinearFn>("heron_cpu::quant_linear_int8");
   c10::TypedOperatorHandle<PackedLinearFn> packed_linear =
       find_op<PackedLinearFn>("mkldnn::_linear_pointwise");
 
@@ -122,7 +125,7 @@ struct LayerStack : torch::CustomClassHolder {
       lin.kind = ints[1 + 3 * i];
       lin.group_size = ints[2 + 3 * i];
       lin.bits = ints[3 + 3 * i];
-      TORCH_CHECK(lin.kind >= kGemm && lin.kind <= kGrouped, "unknown projection kind ",
+      TORCH_CHECK(lin.kind >= kGemm && lin.kind <= kGroupedInt8, "unknown projection kind ",
                   lin.kind);
     }
     layers.push_back(std::move(layer));
@@ -141,7 +144,8 @@ struct LayerStack : torch::CustomClassHolder {
       case kPlain:
         return at::linear(x, lin.a, lin.bias);
       default: {
-        at::Tensor y = ops.quant_linear.call(x, lin.a, lin.b, lin.c, lin.group_size, lin.bits);
+        const auto& op = lin.kind == kGroupedInt8 ? ops.quant_linear_int8 : ops.quant_linear;
+        at::Tensor y = op.call(x, lin.a, lin.b, lin.c, lin.group_size, lin.bits);
         return lin.bias.has_value() ? y + *lin.bias : y;
       }
     }

@@ -70,6 +70,9 @@ class GGUFLinearMethod(LinearMethod):
             return layer.grouped.stack_form()
         return StackLinear.plain(layer.dense)
 
+    def use_int8_activations(self, layer) -> bool:
+        return layer.grouped is not None and layer.grouped.use_int8_activations()
+
     def weight_bytes(self, layer) -> int:
         if layer.grouped is None:
             return layer.dense.numel() * layer.dense.element_size()
@@ -108,6 +111,9 @@ class GGUFEmbeddingMethod(LinearMethod):
         """x (N, hidden) -> float32 (N, shard rows): the LM head's logits."""
         y = quant_linear(x, self.table)
         return y if bias is None else y + bias
+
+    def use_int8_activations(self, layer) -> bool:
+        return self.table.use_int8_activations()  # the head's matmul; lookups stay exact
 
     def weight_bytes(self, layer) -> int:
         return self.table.nbytes

@@ -82,5 +82,8 @@ class WeightOnlyIntMethod(LinearMethod):
     def stack_form(self, layer):
         return layer.grouped.stack_form() if layer.input_perm is None else None
 
+    def use_int8_activations(self, layer) -> bool:
+        return layer.grouped.use_int8_activations()
+
     def weight_bytes(self, layer) -> int:
         return layer.grouped.nbytes
