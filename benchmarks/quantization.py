@@ -1,6 +1,7 @@
 """Quantization, side by side in one run: perplexity of SmolLM2-135M-Instruct on held-out
-text (a Shakespeare play that ``heron quantize`` never calibrates on) for every weight format,
-and batch-1 / batch-64 decode speed of heron 4-bit vs heron float32 vs llama.cpp on the same
+text (a Shakespeare play that ``heron quantize`` never calibrates on) for every weight format
+(and for the GGUF with ``--cpu-int8-dot``: 8-bit activations, integer dot products), and
+batch-1 / batch-64 decode speed of heron 4-bit vs heron float32 vs llama.cpp on the same
 GGUF file.
 
 The float32 baseline is the shipped Q4_1 GGUF dequantized (SmolLM2 is only available here as
@@ -134,7 +135,8 @@ def main() -> int:
     torch.set_num_threads(args.threads)
     gguf = find_default_gguf()
     variants: dict[str, dict] = {"fp32 (GGUF dequantized)": {"quantization": "none"},
-                                 "Q4_1 GGUF kept quantized": {}}
+                                 "Q4_1 GGUF kept quantized": {},
+                                 "Q4_1 GGUF, --cpu-int8-dot": {"cpu_int8_dot": True}}
     if not args.skip_quantize:
         for label, path in quantize_variants(Path(args.work), args.threads).items():
             variants[label] = {"model": str(path)}
@@ -146,7 +148,8 @@ def main() -> int:
         row = {"variant": label, "quantization": worker.quantization,
                "weight_mb": worker.weight_bytes / 1e6, "ppl": perplexity(llm, chunks),
                "decode_b1_tok_s": decode_speed(llm, 1)}
-        if label in ("fp32 (GGUF dequantized)", "Q4_1 GGUF kept quantized"):
+        if label in ("fp32 (GGUF dequantized)", "Q4_1 GGUF kept quantized",
+                     "Q4_1 GGUF, --cpu-int8-dot"):
             row[f"decode_b{args.batch}_tok_s"] = decode_speed(llm, args.batch)
         rows.append(row)
         print(json.dumps(row), flush=True)
@@ -167,10 +170,11 @@ def report(rows: list[dict], llama: float | None, args) -> None:
         lines.append(f"| {r['variant']} | {r['quantization']} | {r['weight_mb']:.0f} | "
                      f"{r['ppl']:.3f} | {delta:+.2f}% | {r['decode_b1_tok_s']:.1f} | "
                      f"{r['decode_b1_tok_s'] / base['decode_b1_tok_s']:.2f}x |")
-    q4 = rows[1]
+    q4, int8 = rows[1], rows[2]
     key = f"decode_b{args.batch}_tok_s"
     lines += ["", f"batch {args.batch} decode: fp32 {base[key]:.1f} tok/s, Q4_1 kept "
-                  f"{q4[key]:.1f} tok/s ({q4[key] / base[key]:.2f}x)"]
+                  f"{q4[key]:.1f} tok/s ({q4[key] / base[key]:.2f}x), with --cpu-int8-dot "
+                  f"{int8[key]:.1f} tok/s ({int8[key] / base[key]:.2f}x)"]
     if llama is not None:
         lines.append(f"llama.cpp (llama-cpp-python, same GGUF, batch 1): {llama:.1f} tok/s; "
                      f"heron Q4_1 / llama.cpp = {q4['decode_b1_tok_s'] / llama:.2f}x")

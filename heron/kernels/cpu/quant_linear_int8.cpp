@@ -72,6 +72,28 @@ inline vint dot_u8s8(vint acc, vint w, vint x) {
 #endif
 }
 
+// Lane k of the result: the sum of the lanes of s[k] (eight block sums -> one vector).
+inline vint sum_lanes8(const vint s[8]) {
+#if defined(__AVX2__)
+  const auto h = [](vint a, vint b) {
+    return __builtin_bit_cast(vint, _mm256_hadd_epi32(__builtin_bit_cast(__m256i, a),
+                                                      __builtin_bit_cast(__m256i, b)));
+  };
+  // per 128-bit half: u0 holds s0..s3's half sums, u1 s4..s7's
+  const __m256i u0 = __builtin_bit_cast(__m256i, h(h(s[0], s[1]), h(s[2], s[3])));
+  const __m256i u1 = __builtin_bit_cast(__m256i, h(h(s[4], s[5]), h(s[6], s[7])));
+  return __builtin_bit_cast(vint, _mm256_add_epi32(_mm256_permute2x128_si256(u0, u1, 0x20),
+                                                   _mm256_permute2x128_si256(u0, u1, 0x31)));
+#else
+  vint out;
+  for (int k = 0; k < kLanes; ++k) {
+    out[k] = 0;
+    for (int i = 0; i < kLanes; ++i) out[k] += s[k][i];
+  }
+  return out;
+#endif
+}
+
 // The sum of the lanes, as a tree (a short dependency chain).
 inline float hsum(vfloat v) {
   return ((v[0] + v[4]) + (v[2] + v[6])) + ((v[1] + v[5]) + (v[3] + v[7]));
@@ -150,18 +172,66 @@ inline float min_terms(const float* mins, const float* s, int64_t G) {
 
 // y[m0 + i, n] for i < MT: the block terms accumulated lane-wise in block order, then the
 // lanes summed, then the min terms in group order.
+// Groups of 32 (GGUF's Q4_0, Q4_1, Q8_0): eight blocks at a time, their integer sums gathered
+// into one vector (lane k: block b + k), converted once and scaled by the eight blocks'
+// scale x step products in one multiply. Returns the blocks done (a multiple of 8).
+template <int MT, bool kNibbles>
+int64_t dot_blocks_of_eight(const Weight& w, const Int8Rows& a, int64_t m0, int64_t n,
+                            vfloat* acc) {
+  const uint8_t* q = w.q + n * w.q_stride;
+  const float* scales = w.scales + n * w.G;  // one per block
+  const vint mask = {0x0F0F0F0F, 0x0F0F0F0F, 0x0F0F0F0F, 0x0F0F0F0F,
+                     0x0F0F0F0F, 0x0F0F0F0F, 0x0F0F0F0F, 0x0F0F0F0F};
+  int64_t b = 0;
+  for (; b + 8 <= a.blocks; b += 8) {
+    vint wv[8];  // nibbles: lo, hi of four chunks; bytes: eight blocks
+    for (int j = 0; j < 4; ++j) {
+      if constexpr (kNibbles) {
+        const vint chunk = load_bytes(q + (b / 2 + j) * kChunkBytes);
+        wv[2 * j] = chunk & mask;
+        wv[2 * j + 1] = (chunk >> 4) & mask;
+      } else {
+        wv[2 * j] = load_bytes(q + (b + 2 * j) * kBlock);
+        wv[2 * j + 1] = load_bytes(q + (b + 2 * j + 1) * kBlock);
+      }
+    }
+    const vfloat sc = heron_cpu::load(scales + b);
+    for (int i = 0; i < MT; ++i) {
+      const int8_t* x = a.xq.data() + (m0 + i) * a.stride;
+      vint sums[8];
+      for (int j = 0; j < 4; ++j) {
+        if constexpr (kNibbles) {
+          const int8_t* xc = x + (b / 2 + j) * 128;
+          sums[2 * j] = dot_u8s8(dot_u8s8(vint{}, wv[2 * j], load_bytes(xc)), wv[2 * j + 1],
+                                 load_bytes(xc + 64));
+          sums[2 * j + 1] = dot_u8s8(dot_u8s8(vint{}, wv[2 * j], load_bytes(xc + 32)),
+                                     wv[2 * j + 1], load_bytes(xc + 96));
+        } else {
+          sums[2 * j] = dot_u8s8(vint{}, wv[2 * j], load_bytes(x + (b + 2 * j) * kBlock));
+          sums[2 * j + 1] =
+              dot_u8s8(vint{}, wv[2 * j + 1], load_bytes(x + (b + 2 * j + 1) * kBlock));
+        }
+      }
+      const vfloat steps = sc * heron_cpu::load(a.d.data() + (m0 + i) * a.padded_blocks + b);
+      acc[i] = fmadd(__builtin_convertvector(sum_lanes8(sums), vfloat), steps, acc[i]);
+    }
+  }
+  return b;
+}
+
 template <int MT, bool kNibbles>
 void dot_tile(const Weight& w, const Int8Rows& a, int64_t m0, int64_t n, float* y, int64_t ldy) {
   const uint8_t* q = w.q + n * w.q_stride;
   const float* scales = w.scales + n * w.G;
   // two accumulators a row (even and odd blocks), summed at the end: shorter FMA chains
   vfloat even[MT] = {}, odd[MT] = {};
+  const int64_t done = w.G == a.blocks ? dot_blocks_of_eight<MT, kNibbles>(w, a, m0, n, even) : 0;
   if constexpr (kNibbles) {
     const vint mask = {0x0F0F0F0F, 0x0F0F0F0F, 0x0F0F0F0F, 0x0F0F0F0F,
                        0x0F0F0F0F, 0x0F0F0F0F, 0x0F0F0F0F, 0x0F0F0F0F};
     // a padding block (K % 64 == 32) has zero activations, d = 0 and its weights' scale
     // index clamped (group_of's extra entry): it adds 0
-    for (int64_t c = 0, b = 0; b < a.blocks; ++c, b += 2) {
+    for (int64_t b = done, c = done / 2; b < a.blocks; ++c, b += 2) {
       const vint chunk = load_bytes(q + c * kChunkBytes);
       const vint lo = chunk & mask, hi = (chunk >> 4) & mask;
       const float s0 = scales[w.group_of[b]], s1 = scales[w.group_of[b + 1]];
@@ -176,7 +246,7 @@ void dot_tile(const Weight& w, const Int8Rows& a, int64_t m0, int64_t n, float* 
       }
     }
   } else {
-    for (int64_t b = 0; b < a.blocks; ++b) {
+    for (int64_t b = done; b < a.blocks; ++b) {
       const vint wv = load_bytes(q + b * kBlock);
       const float sc = scales[w.group_of[b]];
       for (int i = 0; i < MT; ++i) {
