@@ -1,6 +1,6 @@
 // heron_cpu::quant_linear_int8: heron's grouped integer weight (quant_linear.cpp's layout)
 // times activations rounded to 8 bits, multiplied with integer dot products, as llama.cpp
-// multiplies its quantized blocks (Q8 activations, VNNI). Opt-in (--int8-activations): it is
+// multiplies its quantized blocks (Q8 activations, VNNI). Opt-in (--cpu-int8-dot): it is
 // not exact against quant_linear, which multiplies the dequantized weights by the float
 // activations; README gives what it costs in perplexity.
 //
@@ -32,6 +32,7 @@
 #include <cstring>
 #include <vector>
 
+#include "quant_linear.h"
 #include "simd.h"
 
 namespace {
@@ -41,9 +42,12 @@ using heron_cpu::kLanes;
 using heron_cpu::splat;
 using heron_cpu::vfloat;
 using heron_cpu::vint;
+using heron_cpu::quant::hsum;
+using heron_cpu::quant::kChunkBytes;  // a nibble chunk's bytes (kChunk values)
 
 constexpr int64_t kBlock = 32;  // activation values per scale
-constexpr int64_t kChunk = 64, kChunkBytes = 32;  // the nibble layout's chunk
+constexpr int64_t kChunk = heron_cpu::quant::kChunkValues;
+constexpr int64_t kChunkXBytes = 4 * kChunkBytes;  // a chunk's activations, laid out (Int8Rows)
 constexpr int kMaxTileRows = 4;  // rows of x that share each unpacked weight vector
 
 typedef int32_t vint_u __attribute__((vector_size(32), aligned(1), may_alias));
@@ -94,9 +98,23 @@ inline vint sum_lanes8(const vint s[8]) {
 #endif
 }
 
-// The sum of the lanes, as a tree (a short dependency chain).
-inline float hsum(vfloat v) {
-  return ((v[0] + v[4]) + (v[2] + v[6])) + ((v[1] + v[5]) + (v[3] + v[7]));
+// A nibble chunk's weights: byte b of lane j of lo is value 16 b + j, of hi 16 b + 8 + j.
+struct Nibbles {
+  vint lo, hi;
+};
+
+inline Nibbles unpack_chunk(const uint8_t* p) {
+  const vint chunk = load_bytes(p);
+  const vint mask = {0x0F0F0F0F, 0x0F0F0F0F, 0x0F0F0F0F, 0x0F0F0F0F,
+                     0x0F0F0F0F, 0x0F0F0F0F, 0x0F0F0F0F, 0x0F0F0F0F};
+  return {chunk & mask, (chunk >> 4) & mask};
+}
+
+// The integer sums (per lane) of one block of a nibble chunk: half 0 its first block, 1 its
+// second; x the chunk's laid-out activations (Int8Rows).
+inline vint chunk_block_sum(const Nibbles& w, const int8_t* x, int half) {
+  return dot_u8s8(dot_u8s8(vint{}, w.lo, load_bytes(x + 32 * half)), w.hi,
+                  load_bytes(x + 64 + 32 * half));
 }
 
 // The rows of x rounded to 8 bits, laid out for the weight's format.
@@ -109,7 +127,7 @@ struct Int8Rows {
 
   Int8Rows(const float* x, int64_t M, int64_t K, int64_t group_size, bool nibbles)
       : blocks(K / kBlock), padded_blocks(nibbles ? (blocks + 1) / 2 * 2 : blocks),
-        groups(K / group_size), stride(nibbles ? (K + kChunk - 1) / kChunk * 4 * kChunkBytes : K),
+        groups(K / group_size), stride(nibbles ? (K + kChunk - 1) / kChunk * kChunkXBytes : K),
         xq(M * stride, 0), d(M * padded_blocks, 0.f), s(M * groups, 0.f) {
     std::vector<int8_t> row(blocks * kBlock + kChunk, 0);  // padded to whole chunks
     for (int64_t m = 0; m < M; ++m) {
@@ -118,7 +136,8 @@ struct Int8Rows {
                     s[m * groups + b * kBlock / group_size]);
       int8_t* out = xq.data() + m * stride;
       if (nibbles)
-        for (int64_t c = 0; c * kChunk < K; ++c) lay_out_chunk(row.data() + c * kChunk, out + c * 128);
+        for (int64_t c = 0; c * kChunk < K; ++c)
+          lay_out_chunk(row.data() + c * kChunk, out + c * kChunkXBytes);
       else
         std::memcpy(out, row.data(), K);
     }
@@ -164,14 +183,13 @@ struct Weight {
 inline float min_terms(const float* mins, const float* s, int64_t G) {
   vfloat acc = splat(0.f);
   int64_t g = 0;
-  for (; g + kLanes <= G; g += kLanes) acc = fmadd(heron_cpu::load(mins + g), heron_cpu::load(s + g), acc);
+  for (; g + kLanes <= G; g += kLanes)
+    acc = fmadd(heron_cpu::load(mins + g), heron_cpu::load(s + g), acc);
   float out = hsum(acc);
   for (; g < G; ++g) out = std::fma(mins[g], s[g], out);
   return out;
 }
 
-// y[m0 + i, n] for i < MT: the block terms accumulated lane-wise in block order, then the
-// lanes summed, then the min terms in group order.
 // Groups of 32 (GGUF's Q4_0, Q4_1, Q8_0): eight blocks at a time, their integer sums gathered
 // into one vector (lane k: block b + k), converted once and scaled by the eight blocks'
 // scale x step products in one multiply. Returns the blocks done (a multiple of 8).
@@ -180,16 +198,14 @@ int64_t dot_blocks_of_eight(const Weight& w, const Int8Rows& a, int64_t m0, int6
                             vfloat* acc) {
   const uint8_t* q = w.q + n * w.q_stride;
   const float* scales = w.scales + n * w.G;  // one per block
-  const vint mask = {0x0F0F0F0F, 0x0F0F0F0F, 0x0F0F0F0F, 0x0F0F0F0F,
-                     0x0F0F0F0F, 0x0F0F0F0F, 0x0F0F0F0F, 0x0F0F0F0F};
   int64_t b = 0;
   for (; b + 8 <= a.blocks; b += 8) {
     vint wv[8];  // nibbles: lo, hi of four chunks; bytes: eight blocks
     for (int j = 0; j < 4; ++j) {
       if constexpr (kNibbles) {
-        const vint chunk = load_bytes(q + (b / 2 + j) * kChunkBytes);
-        wv[2 * j] = chunk & mask;
-        wv[2 * j + 1] = (chunk >> 4) & mask;
+        const Nibbles chunk = unpack_chunk(q + (b / 2 + j) * kChunkBytes);
+        wv[2 * j] = chunk.lo;
+        wv[2 * j + 1] = chunk.hi;
       } else {
         wv[2 * j] = load_bytes(q + (b + 2 * j) * kBlock);
         wv[2 * j + 1] = load_bytes(q + (b + 2 * j + 1) * kBlock);
@@ -201,11 +217,10 @@ int64_t dot_blocks_of_eight(const Weight& w, const Int8Rows& a, int64_t m0, int6
       vint sums[8];
       for (int j = 0; j < 4; ++j) {
         if constexpr (kNibbles) {
-          const int8_t* xc = x + (b / 2 + j) * 128;
-          sums[2 * j] = dot_u8s8(dot_u8s8(vint{}, wv[2 * j], load_bytes(xc)), wv[2 * j + 1],
-                                 load_bytes(xc + 64));
-          sums[2 * j + 1] = dot_u8s8(dot_u8s8(vint{}, wv[2 * j], load_bytes(xc + 32)),
-                                     wv[2 * j + 1], load_bytes(xc + 96));
+          const Nibbles chunk{wv[2 * j], wv[2 * j + 1]};
+          const int8_t* xc = x + (b / 2 + j) * kChunkXBytes;
+          sums[2 * j] = chunk_block_sum(chunk, xc, 0);
+          sums[2 * j + 1] = chunk_block_sum(chunk, xc, 1);
         } else {
           sums[2 * j] = dot_u8s8(vint{}, wv[2 * j], load_bytes(x + (b + 2 * j) * kBlock));
           sums[2 * j + 1] =
@@ -219,6 +234,8 @@ int64_t dot_blocks_of_eight(const Weight& w, const Int8Rows& a, int64_t m0, int6
   return b;
 }
 
+// y[m0 + i, n] for i < MT: the block terms accumulated lane-wise in block order, then the
+// lanes summed, then the min terms in group order.
 template <int MT, bool kNibbles>
 void dot_tile(const Weight& w, const Int8Rows& a, int64_t m0, int64_t n, float* y, int64_t ldy) {
   const uint8_t* q = w.q + n * w.q_stride;
@@ -227,20 +244,15 @@ void dot_tile(const Weight& w, const Int8Rows& a, int64_t m0, int64_t n, float* 
   vfloat even[MT] = {}, odd[MT] = {};
   const int64_t done = w.G == a.blocks ? dot_blocks_of_eight<MT, kNibbles>(w, a, m0, n, even) : 0;
   if constexpr (kNibbles) {
-    const vint mask = {0x0F0F0F0F, 0x0F0F0F0F, 0x0F0F0F0F, 0x0F0F0F0F,
-                       0x0F0F0F0F, 0x0F0F0F0F, 0x0F0F0F0F, 0x0F0F0F0F};
     // a padding block (K % 64 == 32) has zero activations, d = 0 and its weights' scale
     // index clamped (group_of's extra entry): it adds 0
     for (int64_t b = done, c = done / 2; b < a.blocks; ++c, b += 2) {
-      const vint chunk = load_bytes(q + c * kChunkBytes);
-      const vint lo = chunk & mask, hi = (chunk >> 4) & mask;
+      const Nibbles chunk = unpack_chunk(q + c * kChunkBytes);
       const float s0 = scales[w.group_of[b]], s1 = scales[w.group_of[b + 1]];
       for (int i = 0; i < MT; ++i) {
-        const int8_t* x = a.xq.data() + (m0 + i) * a.stride + c * 128;
+        const int8_t* x = a.xq.data() + (m0 + i) * a.stride + c * kChunkXBytes;
         const float* d = a.d.data() + (m0 + i) * a.padded_blocks;
-        const vint first = dot_u8s8(dot_u8s8(vint{}, lo, load_bytes(x)), hi, load_bytes(x + 64));
-        const vint second =
-            dot_u8s8(dot_u8s8(vint{}, lo, load_bytes(x + 32)), hi, load_bytes(x + 96));
+        const vint first = chunk_block_sum(chunk, x, 0), second = chunk_block_sum(chunk, x, 1);
         even[i] = fmadd(__builtin_convertvector(first, vfloat), splat(s0 * d[b]), even[i]);
         odd[i] = fmadd(__builtin_convertvector(second, vfloat), splat(s1 * d[b + 1]), odd[i]);
       }
@@ -250,9 +262,11 @@ void dot_tile(const Weight& w, const Int8Rows& a, int64_t m0, int64_t n, float* 
       const vint wv = load_bytes(q + b * kBlock);
       const float sc = scales[w.group_of[b]];
       for (int i = 0; i < MT; ++i) {
-        const vint sum = dot_u8s8(vint{}, wv, load_bytes(a.xq.data() + (m0 + i) * a.stride + b * kBlock));
+        const int8_t* x = a.xq.data() + (m0 + i) * a.stride + b * kBlock;
+        const float step = a.d[(m0 + i) * a.padded_blocks + b];
         vfloat& acc = b % 2 ? odd[i] : even[i];
-        acc = fmadd(__builtin_convertvector(sum, vfloat), splat(sc * a.d[(m0 + i) * a.padded_blocks + b]), acc);
+        acc = fmadd(__builtin_convertvector(dot_u8s8(vint{}, wv, load_bytes(x)), vfloat),
+                    splat(sc * step), acc);
       }
     }
   }
@@ -300,7 +314,7 @@ at::Tensor quant_linear_int8(const at::Tensor& x, const at::Tensor& qweight,
               "quant_linear_int8: group_size (", group_size, ") must be a multiple of ", kBlock,
               " dividing K (", K, ")");
   const bool nibbles = bits <= 4;
-  const int64_t q_stride = nibbles ? (K + kChunk - 1) / kChunk * kChunkBytes : K;
+  const int64_t q_stride = heron_cpu::quant::row_bytes(nibbles, K);
   const int64_t G = K / group_size;
   TORCH_CHECK(qweight.size(1) == q_stride && scales.dim() == 2 && scales.size(0) == N &&
                   scales.size(1) == G && mins.sizes() == scales.sizes(),
