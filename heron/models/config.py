@@ -31,6 +31,15 @@ class ModelArchConfig:
     sliding_window: int | None
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
+    # HF ``layer_types``: per layer "full_attention" or "sliding_attention" (mixed models such as
+    # Gemma 3); None when every layer is alike (all sliding when ``sliding_window`` is set)
+    layer_types: tuple[str, ...] | None = None
+
+    def sliding_window_of(self, layer_idx: int) -> int | None:
+        """The attention window of one layer: None for full attention."""
+        if self.layer_types is not None and self.layer_types[layer_idx] != "sliding_attention":
+            return None
+        return self.sliding_window
 
     @property
     def q_size(self) -> int:
@@ -78,4 +87,22 @@ class ModelArchConfig:
             sliding_window=window,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            layer_types=_layer_types(cfg, window),
         )
+
+
+def _layer_types(cfg: dict, window: int | None) -> tuple[str, ...] | None:
+    types = cfg.get("layer_types")
+    if not types:
+        return None
+    if len(types) != cfg["num_hidden_layers"]:
+        raise ValueError(f"config.json: layer_types has {len(types)} entries for "
+                         f"{cfg['num_hidden_layers']} layers")
+    known = {"full_attention", "sliding_attention"}
+    if not set(types) <= known:
+        raise ValueError(f"config.json: unsupported layer_types {sorted(set(types) - known)} "
+                         f"(supported: {sorted(known)})")
+    if "sliding_attention" in types and window is None:
+        raise ValueError("config.json: layer_types has sliding_attention layers but no "
+                         "sliding_window")
+    return tuple(types)

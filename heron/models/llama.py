@@ -30,7 +30,7 @@ class Attention(nn.Module):
         self.layer_idx = layer_idx
         self.head_dim = cfg.head_dim
         self.scale = cfg.head_dim ** -0.5
-        self.sliding_window = cfg.sliding_window
+        self.sliding_window = cfg.sliding_window_of(layer_idx)
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_heads,
                                           cfg.num_kv_heads, qkv_bias)
         # this rank's heads (all of them without tensor parallelism)
