@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 def architecture_of(cfg: dict) -> str:
@@ -34,6 +34,8 @@ class ModelArchConfig:
     # HF ``layer_types``: per layer "full_attention" or "sliding_attention" (mixed models such as
     # Gemma 3); None when every layer is alike (all sliding when ``sliding_window`` is set)
     layer_types: tuple[str, ...] | None = None
+    # the whole config.json (after overrides): what an architecture reads beyond the fields above
+    hf_config: dict = field(default_factory=dict, compare=False, repr=False)
 
     def sliding_window_of(self, layer_idx: int) -> int | None:
         """The attention window of one layer: None for full attention."""
@@ -88,6 +90,7 @@ class ModelArchConfig:
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
             layer_types=_layer_types(cfg, window),
+            hf_config=dict(cfg),
         )
 
 
