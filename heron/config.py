@@ -272,6 +272,26 @@ def parse_custom_ops(names: str | list[str] | tuple[str, ...] | None) -> tuple[s
     return tuple(out)
 
 
+def parse_hf_overrides(overrides: dict | str | None) -> dict | None:
+    """``--hf-overrides`` (vLLM's flag): a JSON object (or its dict) merged into the model's
+    config.json; None or {} stays None. ValueError, one line, for anything else."""
+    if not overrides:
+        return None
+    if isinstance(overrides, str):
+        import json
+
+        try:
+            overrides = json.loads(overrides)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"--hf-overrides is not valid JSON ({exc}); e.g. --hf-overrides "
+                             f"'{{\"rope_scaling\": {{\"rope_type\": \"yarn\", \"factor\": 4.0}}}}'"
+                             ) from None
+    if not isinstance(overrides, dict):
+        raise ValueError(f"--hf-overrides must be a JSON object (config.json keys), got "
+                         f"{type(overrides).__name__}")
+    return overrides or None
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine needs to start: which model, how to run it, how to batch."""
@@ -301,9 +321,13 @@ class EngineConfig:
     # CPU: quantized layers multiply through 8-bit activations and integer dot products, as
     # llama.cpp does (--cpu-int8-dot; faster at small batches, not exact). Default off.
     cpu_int8_dot: bool = False
+    # merged into the model's config.json, nested objects recursively (--hf-overrides; plain
+    # data: worker processes resolve the model with the same overrides)
+    hf_overrides: dict | None = None
 
     def __post_init__(self) -> None:
         canonical_dtype(self.dtype)  # the name is checked now, resolved by the worker
+        object.__setattr__(self, "hf_overrides", parse_hf_overrides(self.hf_overrides))
         object.__setattr__(self, "custom_ops", parse_custom_ops(self.custom_ops))
         if self.speculative is not None and self.parallel.world_size > 1:
             raise ValueError("speculative decoding runs on one rank for now (tensor x "

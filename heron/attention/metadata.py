@@ -48,6 +48,13 @@ class AttentionMetadata:
     # request index -> (Q_i, Q_i) bool CPU tensor: which of its own new keys each of its
     # queries sees (see the module docstring); None / absent requests are causal.
     tree_masks: dict[int, torch.Tensor] | None = None
+    # (num_tokens,) int64: the sequence length each token's rotary embedding is computed for
+    # (length-dependent rope scaling: dynamic NTK, longrope), max(position + 1, prompt
+    # length); None: the model needs none (heron.layers.rotary.RotaryEmbedding)
+    rope_lengths: torch.Tensor | None = None
+    # KV cache groups (heron.models.kv_cache_spec): this step as each group sees it (its own
+    # slot_mapping and block_tables, the rest shared); None with a single group
+    group_views: list[AttentionMetadata] | None = None
 
     @property
     def num_reqs(self) -> int:
@@ -88,6 +95,15 @@ class ForwardContext:
     # A model may run its decoder layers through heron_cpu's LayerStack (one C++ call per
     # step, heron.models.layer_stack) where it has an exact form for them.
     use_cpu_layer_stack: bool = False
+    # KV cache groups: layer -> its group's index into attn_metadata.group_views (None: every
+    # layer reads attn_metadata itself)
+    layer_groups: list[int] | None = None
+
+    def metadata_of(self, layer_idx: int) -> AttentionMetadata:
+        """The metadata of ``layer_idx``'s KV cache group."""
+        if self.layer_groups is None:
+            return self.attn_metadata
+        return self.attn_metadata.group_views[self.layer_groups[layer_idx]]
 
 
 _context: ForwardContext | None = None

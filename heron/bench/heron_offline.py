@@ -18,6 +18,9 @@ def add_engine_args(p) -> None:
     g.add_argument("--dtype", default=None,
                    help="float32 | bfloat16 | float16 (default: bfloat16 on CUDA, else float32)")
     g.add_argument("--max-model-len", type=int, default=None, help="max prompt + output tokens")
+    g.add_argument("--hf-overrides", default=None, metavar="JSON",
+                   help="JSON merged into heron's model config.json (as `heron serve "
+                        "--hf-overrides`)")
     g.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="heron's token budget per step (default: the engine's)")
     g.add_argument("--max-num-seqs", type=int, default=None, help="heron's max running sequences")
@@ -56,7 +59,8 @@ def make_llm(args, **overrides):
               "max_num_seqs": args.max_num_seqs,
               "tensor_parallel_size": args.tensor_parallel_size,
               "pipeline_parallel_size": args.pipeline_parallel_size,
-              "speculative_config": getattr(args, "speculative_config", None)}
+              "speculative_config": getattr(args, "speculative_config", None),
+              "hf_overrides": getattr(args, "hf_overrides", None)}
     if args.no_prefix_caching:
         kwargs["enable_prefix_caching"] = False
     if args.enforce_eager:

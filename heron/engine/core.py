@@ -31,7 +31,9 @@ from heron.executor import Executor, make_executor
 from heron.loader.model_source import resolve_model
 from heron.logging_config import startup_phase
 from heron.models import ModelArchConfig, get_model_class
+from heron.models.kv_cache_spec import kv_cache_groups
 from heron.models.config import architecture_of
+from heron.models.context_length import check_max_model_len, prefix_caching_allowed
 from heron.sampling_params import SamplingParams, child_seed
 from heron.worker.step import ModelRunnerOutput, SchedulerOutput
 
@@ -57,9 +59,10 @@ class EngineCore:
         self.config = config
         started = time.monotonic()
         with startup_phase(logger, "model config", config.model or "embedded SmolLM2"):
-            source = resolve_model(config.model, config.load_format)
+            source = resolve_model(config.model, config.load_format, config.hf_overrides)
             get_model_class(architecture_of(source.hf_config))  # unsupported: fail early
             self.arch = ModelArchConfig.from_hf(source.hf_config)
+            check_max_model_len(self.arch, config.max_model_len)
         self.model_name = source.name
         # where another process can load it from: --tokenizer's directory, else the model's
         self.tokenizer_dir = config.tokenizer or source.tokenizer_dir
@@ -71,8 +74,10 @@ class EngineCore:
         info = self.executor.info
         self.max_model_len = info.max_model_len
         self.kv_cache = KVCacheManager(info.num_kv_blocks, config.cache.block_size,
-                                       config.cache.enable_prefix_caching,
-                                       record_events=config.kv_events_endpoint is not None)
+                                       prefix_caching_allowed(
+                                           arch, config.cache.enable_prefix_caching),
+                                       record_events=config.kv_events_endpoint is not None,
+                                       groups=kv_cache_groups(self.arch))
         self.scheduler = Scheduler(config.scheduler, self.kv_cache, self.max_model_len,
                                    micro_batches=self.executor.max_in_flight,
                                    speculative=config.speculative)
@@ -309,7 +314,7 @@ class EngineCore:
             num_waiting=len(sched.waiting), num_unfinished_requests=unfinished,
             kv_cache_usage=float(self.kv_cache.usage),
             num_free_blocks=self.kv_cache.num_free_blocks, num_blocks=self.kv_cache.num_blocks,
-            num_cached_blocks=len(cache) if cache else 0,
+            num_cached_blocks=self.kv_cache.num_cached_blocks,
             num_prompt_tokens_total=self._prompt_tokens,
             num_generation_tokens_total=self._generated,
             num_requests_finished_total=self._accepted - unfinished,

@@ -47,11 +47,12 @@ class LLM:
                  speculative_config: dict | str | None = None,
                  quantization: str | None = None, gpu_memory_utilization: float | None = None,
                  tokenizer: str | None = None, custom_ops: str | list[str] | None = None,
-                 cpu_int8_dot: bool = False) -> None:
+                 cpu_int8_dot: bool = False, hf_overrides: dict | str | None = None) -> None:
         configure_default()  # heron's INFO lines (startup phases) on stderr, like vLLM's
         self.engine = LLMEngine(EngineConfig(
             model=model, dtype=dtype, max_model_len=max_model_len, quantization=quantization,
             tokenizer=tokenizer, custom_ops=custom_ops, cpu_int8_dot=cpu_int8_dot,
+            hf_overrides=hf_overrides,
             attention_backend=attention_backend, seed=seed, load_format=load_format,
             enforce_eager=enforce_eager, num_threads=num_threads,
             distributed_executor_backend=distributed_executor_backend,

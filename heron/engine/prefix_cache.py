@@ -12,6 +12,13 @@ reclaimable by eviction. Eviction takes unreferenced leaves in LRU order (a logi
 bumped when a block is matched or released). Invariant: the ancestors of a referenced node are
 referenced (a request uses its whole path), so unreferenced nodes form whole subtrees at the
 fringe and leaf-first eviction can reclaim every one of them.
+
+Sliding-window groups (``evict_inner``, one tree per KV cache group, ``kv_cache.py``): a running
+request gives back the blocks that left its window, so unreferenced nodes sit inside paths
+too. Such a tree evicts any unreferenced node: a leaf is removed, an inner node is *hollowed*
+(its block freed, ``block_id`` HOLLOW, kept as a link so its descendants stay reachable). A
+match may pass through hollow nodes; the KV manager reuses a prefix only where every block
+its window needs is still held.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ from dataclasses import dataclass, field
 from heron.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
 BlockKey = tuple[int, ...]
+HOLLOW = -1  # the block id of a root, and of a node whose block was evicted (sliding trees)
 
 
 def chain_hash(parent_hash: int, tokens: BlockKey) -> int:
@@ -50,7 +58,7 @@ def block_hashes(token_ids: list[int], block_size: int, salt: str | None = None)
 
 @dataclass(eq=False)
 class CacheNode:
-    """One cached full block (or a root: ``block_id == -1``, no tokens)."""
+    """One cached full block (or a root, or a hollow link: ``block_id == HOLLOW``)."""
 
     tokens: BlockKey
     block_id: int
@@ -63,6 +71,10 @@ class CacheNode:
     def is_root(self) -> bool:
         return self.parent is None
 
+    @property
+    def is_hollow(self) -> bool:
+        return self.block_id == HOLLOW
+
 
 @dataclass
 class PrefixCacheStats:
@@ -73,11 +85,13 @@ class PrefixCacheStats:
 class PrefixCache:
     """The tree, its LRU eviction order and its event log. Works on a ``BlockPool``."""
 
-    def __init__(self, pool, block_size: int, record_events: bool = False) -> None:
+    def __init__(self, pool, block_size: int, record_events: bool = False,
+                 evict_inner: bool = False) -> None:
         self.pool = pool
+        self.evict_inner = evict_inner
         self.block_size = block_size
         self.roots: dict[str | None, CacheNode] = {}
-        self.nodes: dict[int, CacheNode] = {}  # block id -> node
+        self.nodes: dict[int, CacheNode] = {}  # block id -> node (hollow nodes: not here)
         self.num_unreferenced = 0  # cached-free blocks (ref count 0)
         self._evictable: list[tuple[int, int]] = []  # heap of (last_access, block id), lazy
         self._clock = itertools.count(1)
@@ -93,14 +107,14 @@ class PrefixCache:
 
     def root(self, salt: str | None) -> CacheNode:
         if salt not in self.roots:
-            self.roots[salt] = CacheNode((), -1, root_hash(salt))
+            self.roots[salt] = CacheNode((), HOLLOW, root_hash(salt))
         return self.roots[salt]
 
     # ---- lookup --------------------------------------------------------------------------
     def match(self, token_ids: list[int], salt: str | None, max_blocks: int) -> list[CacheNode]:
         """The nodes of the longest cached prefix of ``token_ids``, at most ``max_blocks``.
 
-        Read-only: nothing is referenced until ``acquire``.
+        Read-only: nothing is referenced until ``acquire``. Hollow nodes are part of the path.
         """
         node, path, bs = self.root(salt), [], self.block_size
         for i in range(max_blocks):
@@ -124,19 +138,22 @@ class PrefixCache:
         """Cache ``block_id`` (holding ``tokens``, referenced by its writer) under ``parent``.
 
         If an identical block is already cached there, returns that node instead and caches
-        nothing: the caller switches to the cached block and releases its own copy.
+        nothing: the caller switches to the cached block and releases its own copy. A hollow
+        node there takes ``block_id``. ``block_id`` HOLLOW (a sliding group's block the
+        request already gave back) adds only the link.
         """
         node = parent.children.get(tokens)
-        if node is not None:
-            return node
-        node = CacheNode(tokens, block_id, chain_hash(parent.block_hash, tokens), parent,
-                         last_access=next(self._clock))
-        parent.children[tokens] = node
-        self.nodes[block_id] = node
-        if self.record_events:
-            parent_hash = None if parent.is_root else parent.block_hash
-            self.events.append(BlockStored([node.block_hash], parent_hash, list(tokens),
-                                           self.block_size))
+        if node is None:
+            node = CacheNode(tokens, HOLLOW, chain_hash(parent.block_hash, tokens), parent,
+                             last_access=next(self._clock))
+            parent.children[tokens] = node
+        if node.is_hollow and block_id != HOLLOW:
+            node.block_id = block_id
+            self.nodes[block_id] = node
+            if self.record_events:
+                parent_hash = None if parent.is_root else parent.block_hash
+                self.events.append(BlockStored([node.block_hash], parent_hash, list(tokens),
+                                               self.block_size))
         return node
 
     def mark_unreferenced(self, block_id: int) -> None:
@@ -144,7 +161,7 @@ class PrefixCache:
         node = self.nodes[block_id]
         self.num_unreferenced += 1
         node.last_access = next(self._clock)
-        if not node.children:
+        if not node.children or self.evict_inner:
             heapq.heappush(self._evictable, (node.last_access, block_id))
 
     # ---- eviction ------------------------------------------------------------------------
@@ -155,23 +172,34 @@ class PrefixCache:
         while freed < num_blocks and self._evictable:
             stamp, block_id = heapq.heappop(self._evictable)
             node = self.nodes.get(block_id)
-            if node is None or node.last_access != stamp or node.children \
-                    or self.pool.ref_counts[block_id] > 0:
+            if node is None or node.last_access != stamp or self.pool.ref_counts[block_id] > 0 \
+                    or (node.children and not self.evict_inner):
                 continue  # stale entry: re-used, re-stamped, evicted or no longer a leaf
-            self._remove(node)
+            self._free_block_of(node)
+            if not node.children:
+                self._unlink(node)
             freed += 1
         return freed
 
-    def _remove(self, node: CacheNode) -> None:
-        parent = node.parent
-        del parent.children[node.tokens]
+    def _free_block_of(self, node: CacheNode) -> None:
+        """Give the node's unreferenced block back to the pool; the node becomes hollow."""
         del self.nodes[node.block_id]
         self.num_unreferenced -= 1
         self.pool.free_block(node.block_id)
+        node.block_id = HOLLOW
         if self.record_events:
             self.events.append(BlockRemoved([node.block_hash]))
-        if not parent.is_root and not parent.children \
-                and self.pool.ref_counts[parent.block_id] == 0:
+
+    def _unlink(self, node: CacheNode) -> None:
+        """Remove a hollow leaf, and the hollow ancestors it leaves childless; a parent that
+        becomes an unreferenced leaf turns evictable."""
+        parent = node.parent
+        del parent.children[node.tokens]
+        if parent.is_root or parent.children:
+            return
+        if parent.is_hollow:
+            self._unlink(parent)
+        elif self.pool.ref_counts[parent.block_id] == 0 and not self.evict_inner:
             heapq.heappush(self._evictable, (parent.last_access, parent.block_id))
 
     def reset(self) -> int:

@@ -10,6 +10,25 @@ from heron.outputs import PositionLogprobs
 from heron.sampling_params import SamplingParams
 
 
+@dataclass(eq=False)
+class BlockTable:
+    """A request's blocks in one KV cache group: block ``i`` holds positions
+    ``[i * block_size, (i + 1) * block_size)``. A sliding-window group gives back the blocks
+    that left its window: ``block_ids[:num_released]`` are no longer the request's (stale ids,
+    which attention masks out). ``last_cached_node``: the group's prefix-tree node of block
+    ``num_cached_blocks - 1`` of the request."""
+
+    block_ids: list[int] = field(default_factory=list)
+    num_released: int = 0
+    last_cached_node: object | None = field(default=None, repr=False)
+
+    def owned(self) -> list[int]:
+        return self.block_ids[self.num_released:]
+
+    def clear(self) -> None:
+        self.block_ids, self.num_released, self.last_cached_node = [], 0, None
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -28,8 +47,8 @@ class Request:
     """One sequence being generated.
 
     Invariant: ``num_computed_tokens <= num_tokens``; the KV of tokens
-    ``[0, num_computed_tokens)`` lives in ``block_ids`` (block ``i`` holds positions
-    ``[i * block_size, (i + 1) * block_size)``). A step that brings ``num_computed_tokens``
+    ``[0, num_computed_tokens)`` lives in its ``tables``, one per KV cache group (block ``i``
+    of each holds positions ``[i * block_size, (i + 1) * block_size)``). A step that brings ``num_computed_tokens``
     up to ``num_tokens`` samples the next token.
     """
 
@@ -43,24 +62,23 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
-    block_ids: list[int] = field(default_factory=list)
+    tables: list[BlockTable] = field(default_factory=lambda: [BlockTable()])
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
     generator_seed: int | None = None  # the worker's generator for this sequence (if seeded)
     prompt_logprobs: list[PositionLogprobs | None] = field(default_factory=list)
     num_preemptions: int = 0
-    # prefix cache: a salt isolates tenants; block_ids[:num_cached_blocks] are in the tree,
-    # the last of them at last_cached_node; num_cached_tokens is the hit at first admission
+    # prefix cache: a salt isolates tenants; each table's block_ids[:num_cached_blocks] are in
+    # its group's tree; num_cached_tokens is the hit at first admission
     cache_salt: str | None = None
     num_cached_blocks: int = 0
-    last_cached_node: object | None = field(default=None, repr=False)
     num_cached_tokens: int | None = None
     num_overtakes: int = 0  # times a younger request was admitted first (policy fairness)
     scheduled_time: float | None = None  # first time the scheduler gave it tokens
     first_token_time: float | None = None
     finish_time: float | None = None
     # what the worker knows of it: described once, then sent only the blocks it lacks; its
-    # table holds block_ids[:num_blocks_sent] (0 after preemption; lowered when a computed
+    # tables hold block_ids[:num_blocks_sent] (0 after preemption; lowered when a computed
     # block is swapped for its cached twin)
     worker_knows: bool = False
     num_blocks_sent: int = 0
@@ -83,6 +101,15 @@ class Request:
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+    @property
+    def block_ids(self) -> list[int]:
+        """The first group's table (the only one of a model whose layers are alike)."""
+        return self.tables[0].block_ids
+
+    @property
+    def last_cached_node(self):
+        return self.tables[0].last_cached_node
 
     @property
     def num_tokens(self) -> int:

@@ -49,8 +49,7 @@ from typing import Iterator
 
 from heron.config import SchedulerConfig, SpeculativeConfig
 from heron.engine.core_outputs import SequenceDelta
-from heron.engine.kv_cache import KVCacheManager
-from heron.engine.prefix_cache import CacheNode
+from heron.engine.kv_cache import KVCacheManager, PrefixHit
 from heron.engine.request import Request, RequestStatus
 from heron.engine.sequence_deltas import sequence_delta
 from heron.engine.stats import SchedulerStats
@@ -188,7 +187,7 @@ class Scheduler:
                 kept = request.num_blocks_sent  # 0 when it resumes after preemption
                 cached.req_ids.append(request.request_id)
                 cached.num_kept_blocks.append(kept)
-                cached.new_block_ids.append(request.block_ids[kept:])
+                cached.new_block_ids.append([t.block_ids[kept:] for t in request.tables])
                 cached.num_computed_tokens.append(request.num_computed_tokens)
                 if self.micro_batches > 1:
                     cached.new_token_ids.append(
@@ -370,7 +369,7 @@ class Scheduler:
         return {self.kv_cache.uncached_block_hash(r) for r in self.running
                 if r.num_computed_tokens < r.num_tokens - 1}
 
-    def _below_watermark(self, request: Request, num_tokens: int, hit: list[CacheNode]) -> bool:
+    def _below_watermark(self, request: Request, num_tokens: int, hit: PrefixHit) -> bool:
         """Admitting ``request`` would leave fewer free blocks than the watermark, while
         others are running (an idle engine always admits, so nothing waits forever)."""
         if not self.running:
@@ -474,6 +473,6 @@ class Scheduler:
 
 def _new_request(request: Request) -> NewRequest:
     return NewRequest(request.request_id, request.prompt_token_ids,
-                      request.params, list(request.block_ids),
+                      request.params, [list(t.block_ids) for t in request.tables],
                       request.num_computed_tokens, list(request.eos_token_ids),
                       request.generator_seed)

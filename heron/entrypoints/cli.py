@@ -63,7 +63,8 @@ def _make_llm(args):
                tensor_parallel_size=args.tensor_parallel_size,
                pipeline_parallel_size=args.pipeline_parallel_size,
                speculative_config=speculative_config(args), quantization=args.quantization,
-               custom_ops=args.custom_ops, cpu_int8_dot=args.cpu_int8_dot)
+               custom_ops=args.custom_ops, cpu_int8_dot=args.cpu_int8_dot,
+               hf_overrides=args.hf_overrides)
 
 
 def build_parser() -> argparse.ArgumentParser:

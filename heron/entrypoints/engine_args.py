@@ -11,6 +11,12 @@ from heron.quant import QUANTIZATION_CHOICES
 SPEC_HELP = ('''JSON, vLLM's keys: {"method": "ngram"|"draft"|"eagle"|"layer_skip", "num_speculative_tokens": K, "prompt_lookup_max"/"prompt_lookup_min" (ngram), "model" (draft model or EAGLE head dir), "num_layers" (layer_skip), "disable_by_batch_size"}''')
 
 
+HF_OVERRIDES_HELP = ("JSON object merged into the model's config.json (nested objects "
+                     "merged), as vLLM's flag; e.g. with a --max-model-len past the model's "
+                     "native length: '{\"rope_scaling\": {\"rope_type\": \"yarn\", "
+                     "\"factor\": 4.0, \"original_max_position_embeddings\": 32768}}'")
+
+
 def speculative_config(args):
     """``--speculative-config`` parsed and checked (None when not given)."""
     from heron.config import SpeculativeConfig
@@ -35,6 +41,8 @@ def engine_args(p: argparse.ArgumentParser, multi_node: bool = False) -> None:
     g.add_argument("--max-model-len", type=int, default=None,
                    help="max prompt + output tokens (default: the model's context length, "
                         "lowered to what the KV cache holds)")
+    g.add_argument("--hf-overrides", default=None, metavar="JSON",
+                   help=HF_OVERRIDES_HELP)
     g.add_argument("--max-num-batched-tokens", type=int, default=2048,
                    help="token budget per step")
     g.add_argument("--max-num-seqs", type=int, default=128, help="max running sequences")

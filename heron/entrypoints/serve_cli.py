@@ -147,6 +147,7 @@ def engine_config(args):
         distributed_executor_backend=args.distributed_executor_backend,
         parallel=parallel_config(args), speculative=speculative_config(args),
         custom_ops=args.custom_ops, cpu_int8_dot=args.cpu_int8_dot,
+        hf_overrides=args.hf_overrides,
         cache=CacheConfig(block_size=args.block_size, num_blocks=args.num_kv_blocks,
                           max_memory_gb=args.kv_cache_memory,
                           memory_fraction=args.gpu_memory_utilization,

@@ -21,8 +21,8 @@ def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_idx: 
     effect the graph does not see (the cache is not an argument): the op's output depends on
     it and every later layer on that output, so it is never reordered or dropped."""
     ctx = get_forward_context()
-    out = ctx.backend.forward(q, k, v, ctx.kv_caches[layer_idx], ctx.attn_metadata, scale,
-                              sliding_window or None)
+    out = ctx.backend.forward(q, k, v, ctx.kv_caches[layer_idx], ctx.metadata_of(layer_idx),
+                              scale, sliding_window or None)
     return out.contiguous()  # the layout the fake promises (a no-op for heron's backends)
 
 
@@ -37,5 +37,5 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_idx: int,
     if torch.compiler.is_compiling():
         return _attention_op(q, k, v, layer_idx, scale, sliding_window or 0)
     ctx = get_forward_context()
-    return ctx.backend.forward(q, k, v, ctx.kv_caches[layer_idx], ctx.attn_metadata, scale,
-                               sliding_window)
+    return ctx.backend.forward(q, k, v, ctx.kv_caches[layer_idx], ctx.metadata_of(layer_idx),
+                               scale, sliding_window)

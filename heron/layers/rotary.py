@@ -1,40 +1,17 @@
-"""Rotary position embedding (HF "rotate_half" layout) with default, linear and llama3 scaling."""
+"""Rotary position embedding (HF "rotate_half" layout) with HF's rope scaling types
+(``heron.layers.rope_scaling``: default, linear, dynamic, yarn, longrope, llama3)."""
 
 from __future__ import annotations
-
-import math
 
 import torch
 from torch import nn
 
+from heron.attention.metadata import current_forward_context
 from heron.layers.dispatch import cpu_ops_enabled, triton_ops_enabled
+from heron.layers.rope_scaling import (LENGTH_DEPENDENT, attention_factor, check_scaling,
+                                       compute_inv_freq, dynamic_inv_freq)
 
-
-def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
-    """Llama 3.1 frequency smoothing: long wavelengths slowed by ``factor``, short ones kept,
-    the band in between interpolated."""
-    factor = scaling["factor"]
-    low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
-    old_len = scaling["original_max_position_embeddings"]
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
-    smooth = (old_len / wavelen - low) / (high - low)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
-    return torch.where(medium, smoothed, scaled)
-
-
-def compute_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-    rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
-    if rope_type == "default":
-        return inv_freq
-    if rope_type == "linear":
-        return inv_freq / scaling["factor"]
-    if rope_type == "llama3":
-        return _llama3_inv_freq(inv_freq, scaling)
-    raise ValueError(f"unsupported rope scaling type {rope_type!r} "
-                     f"(supported: default, linear, llama3)")
+__all__ = ["RotaryEmbedding", "apply_rotary", "compute_inv_freq"]
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -60,7 +37,16 @@ class RotaryEmbedding(nn.Module):
     Tables are built lazily on the first call's device (the module may be created on the
     meta device) and grown on demand, which reads the largest position on the host. A runner
     that knows its positions calls ``reserve`` instead: no host read (no device sync) per
-    step, and fixed tables that a CUDA graph can capture.
+    step, and fixed tables that a CUDA graph can capture. cos and sin carry the rope type's
+    attention factor, as HF's do.
+
+    Length-dependent types (``needs_seq_lengths``: dynamic NTK, longrope) rotate a token
+    according to the length ``L`` of its sequence: the runner sets, per token,
+    ``L = max(position + 1, prompt length)`` as ``AttentionMetadata.rope_lengths`` (HF's
+    choice for a whole-prompt prefill then one token per step, whatever the chunking);
+    without it ``L`` is the largest position of the call + 1 for every token (HF's rule).
+    At ``L`` up to the original length the plain table applies; above it longrope reads its
+    long-factor table and dynamic NTK computes cos/sin for the token's own frequencies.
     """
 
     def __init__(self, head_dim: int, theta: float, scaling: dict | None) -> None:
@@ -68,18 +54,33 @@ class RotaryEmbedding(nn.Module):
         self.head_dim = head_dim
         self.theta = theta
         self.scaling = scaling
-        compute_inv_freq(head_dim, theta, scaling)  # validate eagerly
+        self.rope_type = check_scaling(scaling, head_dim)  # validate eagerly
+        self.attention_factor = attention_factor(scaling)
+        self.needs_seq_lengths = self.rope_type in LENGTH_DEPENDENT
+        self.original_len = scaling["original_max_position_embeddings"] \
+            if self.needs_seq_lengths else None
         self._cos: torch.Tensor | None = None
         self._sin: torch.Tensor | None = None
+        self._long: tuple[torch.Tensor, torch.Tensor] | None = None  # longrope's cos, sin
         self._reserved = False
+
+    def _table(self, inv_freq: torch.Tensor, length: int, device: torch.device):
+        with torch.device("cpu"):
+            t = torch.arange(length, dtype=torch.int64).float()
+        freqs = torch.outer(t, inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)  # (length, D)
+        scale = self.attention_factor
+        return (emb.cos() * scale).to(device), (emb.sin() * scale).to(device)
 
     def _build(self, length: int, device: torch.device) -> None:
         with torch.device("cpu"):
             inv_freq = compute_inv_freq(self.head_dim, self.theta, self.scaling)
-            t = torch.arange(length, dtype=torch.int64).float()
-        freqs = torch.outer(t, inv_freq)
-        emb = torch.cat((freqs, freqs), dim=-1)  # (length, D)
-        self._cos, self._sin = emb.cos().to(device), emb.sin().to(device)
+        self._cos, self._sin = self._table(inv_freq, length, device)
+        if self.rope_type == "longrope":
+            with torch.device("cpu"):
+                long = compute_inv_freq(self.head_dim, self.theta, self.scaling,
+                                        self.original_len + 1)
+            self._long = self._table(long, length, device)
 
     def reserve(self, length: int, device: torch.device) -> bool:
         """Cover positions < ``length`` on ``device`` from now on; the caller promises never to
@@ -100,6 +101,30 @@ class RotaryEmbedding(nn.Module):
             if self._cos is None or self._cos.device != positions.device or \
                     max_pos >= self._cos.shape[0]:
                 self._build(max(4096, 2 * (max_pos + 1)), positions.device)
-        cos = self._cos[positions].unsqueeze(1).to(dtype)
-        sin = self._sin[positions].unsqueeze(1).to(dtype)
-        return cos, sin
+        cos, sin = self._cos[positions], self._sin[positions]  # (T, D) float32
+        if self.needs_seq_lengths and positions.numel():
+            cos, sin = self._length_dependent(positions, cos, sin)
+        return cos.unsqueeze(1).to(dtype), sin.unsqueeze(1).to(dtype)
+
+    def _seq_lengths(self, positions: torch.Tensor) -> torch.Tensor:
+        """(T,) int64: the sequence length ``L`` each token is rotated for."""
+        ctx = current_forward_context()
+        lengths = getattr(ctx.attn_metadata, "rope_lengths", None) if ctx is not None else None
+        if lengths is not None and lengths.shape == positions.shape:
+            return lengths.to(positions.device)
+        return (positions.max() + 1).expand(positions.shape)  # no host read
+
+    def _length_dependent(self, positions, cos, sin):
+        """cos/sin (T, D) of the tokens whose ``L`` exceeds the original length replaced."""
+        lengths = self._seq_lengths(positions)
+        over = (lengths > self.original_len).unsqueeze(1)  # (T, 1)
+        if self.rope_type == "longrope":
+            long_cos, long_sin = self._long
+            return (torch.where(over, long_cos[positions], cos),
+                    torch.where(over, long_sin[positions], sin))
+        # dynamic NTK: each token's own frequencies (T x D/2, cheap), selected where L > original
+        inv_freq = dynamic_inv_freq(self.head_dim, self.theta, self.scaling,
+                                    lengths)  # (T, D/2)
+        freqs = positions.float().unsqueeze(1) * inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)  # (T, D)
+        return torch.where(over, emb.cos(), cos), torch.where(over, emb.sin(), sin)

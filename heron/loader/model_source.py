@@ -46,11 +46,23 @@ def _no_weights() -> Iterator[tuple[str, torch.Tensor]]:
     raise ValueError("this model was resolved with load_format='dummy': it has no weights")
 
 
-def _from_hf_dir(path: Path, load_format: str) -> ModelSource:
+def merge_overrides(config: dict, overrides: dict | None) -> dict:
+    """``config`` with ``overrides`` merged in (``--hf-overrides``): a nested object merges
+    into the same key's object recursively, any other value replaces it. A new dict."""
+    merged = dict(config)
+    for key, value in (overrides or {}).items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = merge_overrides(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def _from_hf_dir(path: Path, load_format: str, overrides: dict | None) -> ModelSource:
     config_path = path / "config.json"
     if not config_path.is_file():
         raise FileNotFoundError(f"{path} is not a Hugging Face model directory (no config.json)")
-    hf_config = _read_json(config_path)
+    hf_config = merge_overrides(_read_json(config_path), overrides)
     if load_format == "dummy":  # random weights: config.json is all that is needed
         weights = _no_weights
     else:
@@ -80,10 +92,10 @@ def _gguf_loader():
     return gguf_loader
 
 
-def _from_gguf(path: Path) -> ModelSource:
+def _from_gguf(path: Path, overrides: dict | None) -> ModelSource:
     gguf_loader = _gguf_loader()
 
-    config = gguf_loader.read_gguf_config(path)
+    config = merge_overrides(gguf_loader.read_gguf_config(path), overrides)
     tokenizer_dir = gguf_loader.prepare_gguf_tokenizer_dir(path)
     return ModelSource(
         name=str(path),
@@ -95,14 +107,16 @@ def _from_gguf(path: Path) -> ModelSource:
     )
 
 
-def resolve_model(model: str | None, load_format: str = "auto") -> ModelSource:
+def resolve_model(model: str | None, load_format: str = "auto",
+                  hf_overrides: dict | None = None) -> ModelSource:
     """Resolve ``model`` (None = the embedded SmolLM2-135M-Instruct GGUF).
 
     With ``load_format="dummy"`` an HF directory needs only its config.json; the returned
     source then has no weights (the engine fills the model with random values).
+    ``hf_overrides`` is merged into the config (``merge_overrides``) before anything reads it.
     """
     if model is None:
-        return _from_gguf(_gguf_loader().find_default_gguf())
+        return _from_gguf(_gguf_loader().find_default_gguf(), hf_overrides)
     path = Path(model).expanduser()
     if not path.exists():
         raise FileNotFoundError(
@@ -111,8 +125,8 @@ def resolve_model(model: str | None, load_format: str = "auto") -> ModelSource:
     if path.is_file():
         if path.suffix != ".gguf":
             raise ValueError(f"{model!r} is a file but not a .gguf file")
-        return _from_gguf(path)
+        return _from_gguf(path, hf_overrides)
     ggufs = sorted(path.glob("*.gguf"))
     if not (path / "config.json").is_file() and len(ggufs) == 1:
-        return _from_gguf(ggufs[0])
-    return _from_hf_dir(path, load_format)
+        return _from_gguf(ggufs[0], hf_overrides)
+    return _from_hf_dir(path, load_format, hf_overrides)

@@ -60,11 +60,8 @@ class ModelArchConfig:
 
     @classmethod
     def _from_hf(cls, cfg: dict) -> "ModelArchConfig":
-        rope = cfg.get("rope_parameters") or {}
-        scaling = cfg.get("rope_scaling") or None
-        if rope and rope.get("rope_type", "default") != "default":
-            scaling = dict(rope)
-        theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
+        theta, scaling = rope_of(_rope_params(cfg), cfg.get("max_position_embeddings", 2048),
+                                 cfg.get("original_max_position_embeddings"))
         heads = cfg["num_attention_heads"]
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
@@ -81,7 +78,7 @@ class ModelArchConfig:
             num_kv_heads=cfg.get("num_key_value_heads") or heads,
             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            rope_theta=float(theta),
+            rope_theta=theta,
             rope_scaling=scaling,
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
@@ -94,8 +91,74 @@ class ModelArchConfig:
         )
 
 
+_SCALED_FROM_ORIGINAL = ("llama3", "yarn", "longrope")  # HF fills their original length
+
+
+def rope_of(params: dict | None, max_position_embeddings: int | None = None,
+            original_max_position_embeddings: int | None = None,
+            default_theta: float = 10000.0) -> tuple[float, dict | None]:
+    """One set of HF rope parameters (transformers 5 ``rope_parameters``, one layer type's
+    entry of it, or an older ``rope_scaling`` with ``rope_theta``) -> (theta, scaling).
+
+    ``scaling`` is None for plain RoPE, else the HF dict standardized as HF does before use:
+    ``rope_type`` set (from an old ``type``), ``original_max_position_embeddings`` filled for
+    llama3 / yarn / longrope (``original_max_position_embeddings``: a top-level config value,
+    which wins as in HF), ``max_position_embeddings`` for dynamic (the length HF's dynamic NTK
+    scales from), and a yarn / longrope ``factor`` left None derived as max / original
+    (without ``max_position_embeddings`` only what the dict holds: the rotary module then
+    names a missing key)."""
+    params = dict(params or {})
+    theta = float(params.pop("rope_theta", None) or default_theta)
+    kind = params.pop("rope_type", None) or params.pop("type", None) or "default"
+    params.pop("type", None)
+    if kind == "default":
+        return theta, None
+    scaling = {"rope_type": kind, **params}
+    if max_position_embeddings is None:
+        return theta, scaling
+    if kind in _SCALED_FROM_ORIGINAL:
+        if original_max_position_embeddings is not None:
+            scaling["original_max_position_embeddings"] = original_max_position_embeddings
+        scaling.setdefault("original_max_position_embeddings", max_position_embeddings)
+        original = scaling["original_max_position_embeddings"]
+        if kind != "llama3" and scaling.get("factor") is None:
+            scaling["factor"] = max_position_embeddings / original
+    elif kind == "dynamic":
+        scaling["original_max_position_embeddings"] = max_position_embeddings
+    return theta, scaling
+
+
+def rope_parameters_by_layer_type(cfg: dict) -> dict[str, dict] | None:
+    """Gemma-3 style ``rope_parameters`` keyed by layer type ({"full_attention": {...},
+    "sliding_attention": {...}}), else None. Pass an entry to ``rope_of``."""
+    rope = cfg.get("rope_parameters")
+    if rope and all(isinstance(v, dict) or v is None for v in rope.values()):
+        return rope
+    return None
+
+
+def _rope_params(cfg: dict) -> dict:
+    """The rope parameters of full-attention layers, with ``rope_theta``.
+
+    A ``rope_scaling`` object (transformers 4 configs; an ``--hf-overrides`` of it) wins over
+    ``rope_parameters``, as in HF; its theta is its own, else the top-level ``rope_theta``,
+    else ``rope_parameters``' (HF would fall back to 10000 there). Otherwise transformers 5's
+    ``rope_parameters`` (its "full_attention" entry when keyed by layer type)."""
+    by_type = rope_parameters_by_layer_type(cfg)
+    if by_type is not None:
+        rope = dict(by_type.get("full_attention") or next(v for v in by_type.values() if v))
+    else:
+        rope = dict(cfg.get("rope_parameters") or {})
+    legacy = cfg.get("rope_scaling")
+    if legacy:
+        theta = cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0
+        return {"rope_theta": theta, **legacy}
+    rope.setdefault("rope_theta", cfg.get("rope_theta", 10000.0))
+    return rope
+
+
 def _layer_types(cfg: dict, window: int | None) -> tuple[str, ...] | None:
-    types = cfg.get("layer_types")
+    types = cfg.get("layer_types") or _gemma3_layer_types(cfg)
     if not types:
         return None
     if len(types) != cfg["num_hidden_layers"]:
@@ -109,3 +172,13 @@ def _layer_types(cfg: dict, window: int | None) -> tuple[str, ...] | None:
         raise ValueError("config.json: layer_types has sliding_attention layers but no "
                          "sliding_window")
     return tuple(types)
+
+
+def _gemma3_layer_types(cfg: dict) -> list[str] | None:
+    """Gemma 3 configs saved without ``layer_types``: HF's rule, every
+    ``sliding_window_pattern``-th layer (default 6) global, the others sliding."""
+    if cfg.get("model_type") != "gemma3_text" and architecture_of(cfg) != "Gemma3ForCausalLM":
+        return None
+    pattern = cfg.get("sliding_window_pattern") or 6
+    return ["sliding_attention" if (i + 1) % pattern else "full_attention"
+            for i in range(cfg["num_hidden_layers"])]

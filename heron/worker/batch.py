@@ -18,10 +18,10 @@ class HostBatch:
 
     input_ids: torch.Tensor  # (T,)
     positions: torch.Tensor  # (T,)
-    slot_mapping: torch.Tensor  # (T,)
+    slot_mapping: torch.Tensor  # (G, T): per KV cache group
     seq_lens: torch.Tensor  # (N,)
     query_start_loc: torch.Tensor  # (N + 1,)
-    block_tables: torch.Tensor  # (N, max_blocks), padded with 0
+    block_tables: torch.Tensor  # (G, N, max_blocks), padded with 0
     query_start_loc_cpu: list[int]
     query_lens_cpu: list[int]
     seq_lens_cpu: list[int]
@@ -30,6 +30,9 @@ class HostBatch:
     # scheduled index -> (Q, Q) bool tree attention mask over its queries (speculative
     # decoding's tree verification; see AttentionMetadata.tree_masks)
     tree_masks: dict[int, torch.Tensor] | None = None
+    # (T,) the sequence length each token's rotary embedding is for (length-dependent rope
+    # scaling only; see AttentionMetadata.rope_lengths)
+    rope_lengths: torch.Tensor | None = None
 
     @property
     def num_reqs(self) -> int:
@@ -40,11 +43,20 @@ class HostBatch:
         return all(n == 1 for n in self.query_lens_cpu)
 
     def metadata(self, tensors: dict[str, torch.Tensor], block_size: int) -> AttentionMetadata:
-        return AttentionMetadata(
-            slot_mapping=tensors["slot_mapping"], block_tables=tensors["block_tables"],
-            seq_lens=tensors["seq_lens"], query_start_loc=tensors["query_start_loc"],
+        """The first KV cache group's metadata; with several groups, ``group_views`` holds
+        each group's (the same step, its own slots and tables)."""
+        rope_lengths = None if self.rope_lengths is None else \
+            self.rope_lengths.to(tensors["positions"].device)
+        views = [AttentionMetadata(
+            slot_mapping=slots, block_tables=tables, seq_lens=tensors["seq_lens"],
+            query_start_loc=tensors["query_start_loc"],
             query_start_loc_cpu=self.query_start_loc_cpu, query_lens_cpu=self.query_lens_cpu,
-            seq_lens_cpu=self.seq_lens_cpu, block_size=block_size, tree_masks=self.tree_masks)
+            seq_lens_cpu=self.seq_lens_cpu, block_size=block_size, tree_masks=self.tree_masks,
+            rope_lengths=rope_lengths)
+            for slots, tables in zip(tensors["slot_mapping"], tensors["block_tables"])]
+        if len(views) > 1:
+            views[0].group_views = views
+        return views[0]
 
 
 _DEVICE_FIELDS = ("input_ids", "positions", "slot_mapping", "seq_lens", "query_start_loc",

@@ -76,15 +76,15 @@ class StaticDecodeInputs:
 
     def stage(self, host: HostBatch, bucket: int) -> None:
         """Rows [:n] get the step's inputs, rows [n:bucket] padding."""
-        n, width = host.num_reqs, host.block_tables.shape[1]
+        n, width = host.num_reqs, host.block_tables.shape[2]  # one KV cache group
         rows = torch.tensor(_PAD).view(4, 1).repeat(1, bucket)  # (4, bucket) on the host
         rows[_INPUT_IDS, :n] = host.input_ids
         rows[_POSITIONS, :n] = host.positions
-        rows[_SLOTS, :n] = host.slot_mapping
+        rows[_SLOTS, :n] = host.slot_mapping[0]
         rows[_SEQ_LENS, :n] = host.seq_lens
         _copy_from_host(self.scalars[:, :bucket], rows)
         # columns >= width of rows [:n] keep stale ids: never read, as seq_len <= width * bs
-        _copy_from_host(self.block_tables[:n, :width], host.block_tables)
+        _copy_from_host(self.block_tables[:n, :width], host.block_tables[0])
 
 
 def _copy_from_host(dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -147,7 +147,7 @@ class DecodeGraphRunner:
 
     def can_run(self, host: HostBatch) -> bool:
         return (host.is_decode_only and host.num_reqs <= self.buckets[-1]
-                and host.block_tables.shape[1] <= self.max_blocks)
+                and host.block_tables.shape[2] <= self.max_blocks)
 
     @torch.inference_mode()
     def capture_all(self) -> None:

@@ -53,16 +53,18 @@ class InputBatch:
     """Rows of per-sequence state; row ``r`` is free or held by exactly one sequence.
 
     token_ids[r, :num_tokens[r]] are the sequence's tokens (prompt then outputs);
-    block_table[r, :num_blocks[r]] its KV block ids.
+    block_table[g, r, :num_blocks[r]] its KV block ids in KV cache group ``g`` (the tables of
+    all groups grow together).
     """
 
-    def __init__(self, max_num_seqs: int, max_model_len: int, block_size: int) -> None:
+    def __init__(self, max_num_seqs: int, max_model_len: int, block_size: int,
+                 num_groups: int = 1) -> None:
         self.block_size = block_size
         max_blocks = -(-max_model_len // block_size)
         # np.zeros is calloc'd: rows and columns never touched cost no memory
         self.token_ids = np.zeros((max_num_seqs, max_model_len), dtype=np.int64)
         self.num_tokens = np.zeros(max_num_seqs, dtype=np.int64)
-        self.block_table = np.zeros((max_num_seqs, max_blocks), dtype=np.int64)
+        self.block_table = np.zeros((num_groups, max_num_seqs, max_blocks), dtype=np.int64)
         self.num_blocks = np.zeros(max_num_seqs, dtype=np.int64)
         self.free_rows = list(range(max_num_seqs - 1, -1, -1))
         self.states: dict[str, SequenceState] = {}
@@ -120,10 +122,12 @@ class InputBatch:
         for req_id, tokens in zip(cached.req_ids, cached.new_token_ids):
             self._append_tokens(self.states[req_id], tokens)
 
-    def _append_blocks(self, row: int, blocks: list[int]) -> None:
+    def _append_blocks(self, row: int, blocks: list[list[int]]) -> None:
+        """Append to each group's table (``blocks[g]``, all the same length)."""
         start = int(self.num_blocks[row])
-        self.block_table[row, start:start + len(blocks)] = blocks
-        self.num_blocks[row] = start + len(blocks)
+        for table, group_blocks in zip(self.block_table, blocks):
+            table[row, start:start + len(group_blocks)] = group_blocks
+        self.num_blocks[row] = start + len(blocks[0])
 
     def _remove(self, req_id: str) -> None:
         state = self.states.pop(req_id, None)
@@ -193,11 +197,12 @@ class InputBatch:
                                                                query_lens)
         input_ids = self.token_ids[rows[req_of_token], positions + token_offset]  # (T,)
         max_blocks = int(self.num_blocks[rows].max())
-        block_tables = self.block_table[rows, :max_blocks]  # (N, max_blocks), padded with 0
-        slots = (block_tables[req_of_token, positions // self.block_size] * self.block_size
-                 + positions % self.block_size)
+        block_tables = self.block_table[:, rows, :max_blocks]  # (G, N, max_blocks), 0-padded
+        slots = (block_tables[:, req_of_token, positions // self.block_size] * self.block_size
+                 + positions % self.block_size)  # (G, T)
         return HostBatch(
-            torch.from_numpy(input_ids), torch.from_numpy(positions), torch.from_numpy(slots),
+            torch.from_numpy(input_ids), torch.from_numpy(positions),
+            torch.from_numpy(np.ascontiguousarray(slots)),
             torch.from_numpy(seq_lens), torch.from_numpy(query_start_loc),
             torch.from_numpy(np.ascontiguousarray(block_tables)), query_start_loc.tolist(),
             query_lens.tolist(), seq_lens.tolist(), [], {})

@@ -16,6 +16,7 @@ from heron.config import SpeculativeConfig
 from heron.distributed import get_pp_group, get_tp_group
 from heron.distributed.pipeline import IntermediateTensors
 from heron.layers.rotary import RotaryEmbedding
+from heron.models.kv_cache_spec import kv_cache_groups
 from heron.sample.logprobs import top_logprobs
 from heron.sample.sampler import Sampler
 from heron.speculative.factory import make_proposer
@@ -68,22 +69,34 @@ class ModelRunner:
         self.dtype = dtype
         self._tp, self._pp = get_tp_group(), get_pp_group()
         self._is_driver = self._tp.is_first and self._pp.is_last
-        # One tensor per layer of this stage: (2, num_blocks, block_size, num_kv_heads,
-        # head_dim) with this rank's KV heads; None for other stages' layers. Zeroed so
-        # padded, masked-out keys/values are finite (0 * NaN would poison the softmax sum).
-        layers, kv_heads, head_dim = model.kv_cache_layout()
+        self.kv_groups = kv_cache_groups(arch)
+        single = len(self.kv_groups) == 1
+        if not single:
+            self.use_cpu_layer_stack = False  # the stack reads one block table
+        if draft is not None and draft.kv_layout() is not None and not self.kv_groups.has_full:
+            logger.warning("the draft model's own KV cache follows this model's sliding-window "
+                           "block table: it attends within the window only (outputs are "
+                           "unchanged; fewer drafts may be accepted)")
+        # layer -> its KV cache group (None: one group, every layer reads the step's metadata)
+        self._layer_groups = None if single else self.kv_groups.group_of_layer(arch.num_layers)
         self.num_blocks = num_blocks
-        self.kv_caches = [self.make_cache(kv_heads, head_dim) if i in layers else None
-                          for i in range(arch.num_layers)]
+        self.kv_caches = self._allocate_kv_caches(model)
         # No position reaches the KV capacity; rotary tables are sized once for the context.
-        self.max_context = min(num_blocks * block_size,
-                               max_model_len or arch.max_position_embeddings)
+        # (a model with sliding layers only holds any length in its windows)
+        self.max_context = max_model_len or arch.max_position_embeddings
+        if self.kv_groups.has_full:
+            self.max_context = min(self.max_context, num_blocks * block_size)
         self._rotary = [m for m in model.modules() if isinstance(m, RotaryEmbedding)]
+        # length-dependent rope scaling (dynamic NTK, longrope): each token's sequence length
+        # rides in the metadata (data-dependent cos/sin: no decode graphs)
+        self._rope_lengths = any(m.needs_seq_lengths for m in self._rotary)
         self.graphs: DecodeGraphRunner | None = None
         self._reserve_rotary(self.max_context)
-        self.input_batch = InputBatch(max_num_seqs, self.max_context, block_size)
+        self.input_batch = InputBatch(max_num_seqs, self.max_context, block_size,
+                                      len(self.kv_groups))
         self._fault_token = envs.HERON_FAULT_INJECTION_TOKEN
-        if device.type == "cuda" and self.backend.name == "triton" and not enforce_eager:
+        if device.type == "cuda" and self.backend.name == "triton" and not enforce_eager \
+                and not self._rope_lengths and single:
             self.enable_decode_graphs(max_num_seqs)
         self.proposer = None if speculative is None else \
             make_proposer(speculative, draft, self._draft_context())
@@ -91,6 +104,19 @@ class ModelRunner:
         keeps = self._tp.world_size > 1 and self._pp.world_size == 1
         self._plain = PlainSampling(model, self.sampler, self._tp if keeps else None)
         self._verification = self._verification_strategy()
+
+    def _allocate_kv_caches(self, model) -> list[torch.Tensor | None]:
+        """Per layer of the model, the pool tensor it attends over: (2, num_blocks,
+        block_size, num_kv_heads, head_dim) with this rank's KV heads; None for other stages'
+        layers. Layers in the same slot of different KV cache groups share a tensor (a block
+        id belongs to one group). Zeroed so padded, masked-out keys/values are finite
+        (0 * NaN would poison the softmax sum)."""
+        layers, kv_heads, head_dim = model.kv_cache_layout()
+        num_layers = model.config.num_layers
+        slot_of = self.kv_groups.slot_of_layer(num_layers)
+        slots = {slot_of[i]: self.make_cache(kv_heads, head_dim)
+                 for i in sorted({slot_of[i] for i in layers})}
+        return [slots[slot_of[i]] if i in layers else None for i in range(num_layers)]
 
     def make_cache(self, num_kv_heads: int, head_dim: int) -> torch.Tensor:
         """One layer's zeroed KV cache over the pool: (2, num_blocks, block_size, KVH, D)."""
@@ -109,14 +135,15 @@ class ModelRunner:
                  positions: torch.Tensor, intermediate: IntermediateTensors | None = None):
         """(T,) token ids and positions -> hidden states (T, hidden) (or, on a stage that is
         not the last, ``IntermediateTensors``), eagerly."""
-        with self._forward_context(md, self.kv_caches):
+        with self._forward_context(md, self.kv_caches, self._layer_groups):
             return self.model(input_ids, positions, intermediate)
 
-    def _forward_context(self, md: AttentionMetadata, kv_caches: list):
+    def _forward_context(self, md: AttentionMetadata, kv_caches: list,
+                         layer_groups: list[int] | None = None):
         """The ``with`` block in which model code attends over ``kv_caches`` through this
-        runner's backend."""
+        runner's backend (a draft model's: the first KV cache group's tables)."""
         return forward_context(ForwardContext(md, kv_caches, self.backend, self.use_triton_ops,
-                                              self.use_cpu_layer_stack))
+                                              self.use_cpu_layer_stack, layer_groups))
 
     def _device_inputs(self, host: HostBatch):
         """(input_ids (T,), positions (T,), attention metadata) of ``host`` on the device."""
@@ -126,8 +153,14 @@ class ModelRunner:
 
     def _draft_context(self) -> DraftContext:
         """What the proposer may use of this runner (``heron.speculative.interface``)."""
-        return DraftContext(self.input_batch, self._device_inputs, self._forward_context,
+        return DraftContext(self.input_batch, self._device_inputs, self._draft_forward_context,
                             self.kv_caches, self.make_cache, self.device, self.max_context)
+
+    def _draft_forward_context(self, md: AttentionMetadata, kv_caches: list):
+        """A draft attends over its own cache with the first group's tables, or (a layer-skip
+        draft) over this model's layers, each with its own group's."""
+        groups = self._layer_groups if kv_caches is self.kv_caches else None
+        return self._forward_context(md, kv_caches, groups)
 
     def _verification_strategy(self) -> ChainVerification | TreeVerification:
         """How steps with drafts verify them: as the tree the proposer drafts, or a chain."""
@@ -135,7 +168,7 @@ class ModelRunner:
         if tree is None:
             return ChainVerification(self.model, self.sampler.generator)
         return TreeVerification(self.model, self.sampler.generator, tree, self.kv_caches,
-                                self.device)
+                                self.device, self._layer_groups)
 
     def _reserve_rotary(self, length: int) -> None:
         """Rotary tables cover positions < length (host ints only, no device sync)."""
@@ -190,6 +223,10 @@ class ModelRunner:
         batch = self.input_batch.host_batch(sched.req_ids, sched.num_scheduled_tokens,
                                             [len(d) for d in drafts])
         states = [self.input_batch.states[r] for r in sched.req_ids]
+        if self._rope_lengths:  # L = max(position + 1, prompt length) per token
+            prompts = torch.tensor([s.num_prompt_tokens for s in states])
+            batch.rope_lengths = torch.maximum(batch.positions + 1, prompts.repeat_interleave(
+                torch.tensor(batch.query_lens_cpu)))
         starts = [s.num_computed_tokens for s in states]
         sampling = [i for i, n in enumerate(sched.num_scheduled_tokens)
                     if starts[i] + n == states[i].num_tokens + len(drafts[i])]

@@ -92,9 +92,11 @@ class TreeVerification:
     them)."""
 
     def __init__(self, model, generator: torch.Generator, tree: DraftTree,
-                 kv_caches: list[torch.Tensor | None], device: torch.device) -> None:
+                 kv_caches: list[torch.Tensor | None], device: torch.device,
+                 layer_groups: list[int] | None = None) -> None:
         self.model, self.generator, self.tree = model, generator, tree
         self.kv_caches, self.device = kv_caches, device
+        self.layer_groups = layer_groups or [0] * len(kv_caches)  # layer -> KV cache group
 
     def lay_out(self, step: StepRows) -> None:
         """Node positions and the tree attention masks of the sequences with drafts."""
@@ -120,12 +122,12 @@ class TreeVerification:
         rows_src = torch.tensor(src, device=hidden.device)
         rows_dst = torch.tensor(dst, device=hidden.device)
         hidden[rows_dst] = hidden[rows_src]
-        slots = batch.slot_mapping.to(self.device)
-        slot_src, slot_dst = slots[rows_src], slots[rows_dst]
-        for cache in self.kv_caches:
+        slots = batch.slot_mapping.to(self.device)  # (G, T)
+        slot_src, slot_dst = slots[:, rows_src], slots[:, rows_dst]
+        for cache, group in zip(self.kv_caches, self.layer_groups):
             if cache is not None:
                 flat = cache.view(2, -1, *cache.shape[3:])  # (2, slots, KVH, D)
-                flat[:, slot_dst] = flat[:, slot_src]
+                flat[:, slot_dst[group]] = flat[:, slot_src[group]]
 
 
 def _by_request(samplers: list[SequenceState], token_ids: list[list[int]],

@@ -29,7 +29,7 @@ class NewRequest(msgspec.Struct, array_like=True):
     req_id: str
     prompt_token_ids: list[int]
     params: SamplingParams  # the request's own (validated where it was built)
-    block_ids: list[int]
+    block_ids: list[list[int]]  # per KV cache group
     num_computed_tokens: int  # > 0 after a prefix-cache hit
     eos_token_ids: list[int]
     generator_seed: int | None = None  # this sequence's own seed (n > 1: derived per child)
@@ -40,8 +40,8 @@ class CachedRequests(msgspec.Struct, array_like=True):
     lists, one entry per request."""
 
     req_ids: list[str] = []
-    num_kept_blocks: list[int] = []  # the worker keeps this prefix of its block table...
-    new_block_ids: list[list[int]] = []  # ...and appends these
+    num_kept_blocks: list[int] = []  # the worker keeps this prefix of its block tables...
+    new_block_ids: list[list[list[int]]] = []  # ...and appends these (per KV cache group)
     num_computed_tokens: list[int] = []  # the core's count before this step
     # With pipeline parallelism only: the tokens appended since the worker last saw each
     # request (its ranks do not all sample, so the core sends them). Empty otherwise: a

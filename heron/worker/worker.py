@@ -25,6 +25,7 @@ from heron.layers import cpu_gemm
 from heron.layers.dispatch import apply_custom_ops
 from heron.speculative.factory import load_draft
 from heron.worker import cpu_binding
+from heron.models.kv_cache_spec import kv_cache_groups
 from heron.worker.memory import KVLayout, num_kv_blocks
 from heron.worker.model_runner import ModelRunner
 from heron.worker.step import ModelRunnerOutput, SchedulerOutput, WorkerInfo
@@ -109,14 +110,21 @@ class Worker:
         ``max_model_len`` to what they hold."""
         layers, kv_heads, head_dim = model.kv_cache_layout()
         wanted = config.max_model_len or arch.max_position_embeddings
+        groups, block_size = kv_cache_groups(arch), config.cache.block_size
+        chunk = config.scheduler.max_num_batched_tokens
+        # a pool block holds one layer of a group's slot: the slots this stage's layers use
+        slot_of = groups.slot_of_layer(arch.num_layers)
+        per_block = KVLayout(len({slot_of[i] for i in layers}), kv_heads, head_dim)
+        useful = config.scheduler.max_num_seqs * groups.blocks_for(wanted, block_size, chunk)
         with startup_phase(logger, "KV cache sizing") as phase:
-            blocks = _agree_min(num_kv_blocks(KVLayout(len(layers), kv_heads, head_dim),
-                                              config.cache, dtype, self.device,
-                                              config.scheduler.max_num_seqs * wanted,
-                                              _draft_kv_layout(draft)), self.device)
-            self.max_model_len = fit_max_model_len(wanted, config.max_model_len,
-                                                   blocks * config.cache.block_size)
-            phase.detail = f"{blocks} blocks x {config.cache.block_size} tokens"
+            blocks = _agree_min(num_kv_blocks(per_block, config.cache, dtype, self.device,
+                                              useful * block_size, _draft_kv_layout(draft)),
+                                self.device)
+            self.max_model_len = fit_max_model_len(
+                wanted, config.max_model_len, groups.max_tokens_in(blocks, block_size, chunk, wanted))
+            phase.detail = f"{blocks} blocks x {block_size} tokens"
+            if len(groups) > 1 or groups[0].is_sliding:
+                phase.detail += f", {_describe(groups)}"
         return blocks
 
     def _load_model(self, config: EngineConfig, source: ModelSource | None):
@@ -124,7 +132,7 @@ class Worker:
         given) and fill it: (model, arch, dtype)."""
         with startup_phase(logger, "weights") as phase:
             if source is None:
-                source = resolve_model(config.model, config.load_format)
+                source = resolve_model(config.model, config.load_format, config.hf_overrides)
             arch = ModelArchConfig.from_hf(source.hf_config)
             dtype = config.torch_dtype
             quant = resolve_quantization(source.quantization, source.is_gguf,
@@ -155,6 +163,16 @@ class Worker:
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput | None:
         """The step's outcome on the driver rank; None on the others."""
         return self.runner.execute(sched)
+
+
+def _describe(groups) -> str:
+    """e.g. "KV cache groups: 1 full x 3 layers, 5 sliding (window 512) x 3 layers"."""
+    kinds: dict[str, int] = {}
+    for group in groups:
+        kind = "full" if not group.is_sliding else f"sliding (window {group.sliding_window})"
+        kinds[kind] = kinds.get(kind, 0) + 1
+    return "KV cache groups: " + ", ".join(f"{n} {kind}" for kind, n in kinds.items()) + \
+        f" x {groups.group_size} layers"
 
 
 def _draft_kv_layout(draft) -> KVLayout | None:

@@ -28,7 +28,9 @@ def make_tiny_served_model(path: Path) -> Path:
     from heron.loader.gguf_loader import find_default_gguf, prepare_gguf_tokenizer_dir
 
     tokenizer_dir = prepare_gguf_tokenizer_dir(find_default_gguf())
-    make_tiny_model("llama", path, vocab_size=49152, bos_token_id=1, eos_token_id=2)
+    # a 4096-token context: servers and chats on it take --max-model-len up to that
+    make_tiny_model("llama", path, vocab_size=49152, bos_token_id=1, eos_token_id=2,
+                    max_position_embeddings=4096)
     for f in tokenizer_dir.iterdir():
         if f.is_file() and f.name != "config.json":
             shutil.copy(f, path / f.name)

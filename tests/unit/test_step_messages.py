@@ -13,15 +13,17 @@ from __future__ import annotations
 import itertools
 
 import msgspec
+import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
 
 from heron.config import SchedulerConfig
-from heron.engine.kv_cache import KVCacheManager
+from heron.engine.kv_cache import UNIFORM, KVCacheManager
 from heron.engine.request import Request, RequestStatus
 from heron.engine.scheduler import Scheduler
 from heron.sampling_params import SamplingParams
+from heron.models.kv_cache_spec import KVCacheGroups
 from heron.worker.input_batch import InputBatch
 from heron.worker.step import ModelRunnerOutput, SchedulerOutput
 from scheduler_steps import StepView, fake_output, schedule
@@ -32,13 +34,14 @@ class MirroredEngine:
     other every step."""
 
     def __init__(self, num_blocks: int, block_size: int, budget: int, max_num_seqs: int,
-                 max_model_len: int, **config) -> None:
+                 max_model_len: int, groups: KVCacheGroups = UNIFORM, **config) -> None:
         self.bs = block_size
-        self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=True)
+        self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=True,
+                                 groups=groups)
         self.sched = Scheduler(SchedulerConfig(max_num_batched_tokens=budget,
                                                max_num_seqs=max_num_seqs, **config),
                                self.kv, max_model_len)
-        self.batch = InputBatch(max_num_seqs, max_model_len, block_size)
+        self.batch = InputBatch(max_num_seqs, max_model_len, block_size, len(groups))
         self.messages: list[SchedulerOutput] = []
         self.samples: list[list[bool]] = []  # per step, per scheduled sequence
 
@@ -87,8 +90,9 @@ class MirroredEngine:
             row = state.row
             start = req.num_computed_tokens
             where = f"{req.request_id} (step {len(self.messages)})"
-            assert batch.block_table[row, :batch.num_blocks[row]].tolist() == req.block_ids, \
-                f"{where}: the worker's block table is not the core's"
+            for g, table in enumerate(req.tables):
+                assert batch.block_table[g, row, :batch.num_blocks[row]].tolist() == \
+                    table.block_ids, f"{where}: the worker's block table {g} is not the core's"
             assert state.num_computed_tokens == start, where
             assert state.all_token_ids() == req.all_token_ids(), where
             assert batch.token_ids[row, :batch.num_tokens[row]].tolist() == req.all_token_ids()
@@ -96,8 +100,11 @@ class MirroredEngine:
             assert host.input_ids[qsl[i]:qsl[i + 1]].tolist() == \
                 req.token_ids_between(start, start + n), where
             assert host.positions[qsl[i]:qsl[i + 1]].tolist() == list(positions), where
-            assert host.slot_mapping[qsl[i]:qsl[i + 1]].tolist() == \
-                [req.block_ids[p // bs] * bs + p % bs for p in positions], where
+            for g, table in enumerate(req.tables):
+                assert host.slot_mapping[g, qsl[i]:qsl[i + 1]].tolist() == \
+                    [table.block_ids[p // bs] * bs + p % bs for p in positions], where
+                assert positions[0] // bs >= table.num_released, \
+                    f"{where}: a query's block {g} was released"
             assert host.seq_lens_cpu[i] == start + n
         assert host.sample_rows == [qsl[i + 1] - 1 for i, s in enumerate(view.scheduled)
                                     if s.samples], "the sampled rows are not the sampling steps"
@@ -109,9 +116,16 @@ def _distinct_token(request: Request) -> int:
     return 1000 + 50 * int(request.request_id[1:]) + request.num_output_tokens
 
 
-def test_worker_view_matches_the_core_over_chunked_prefill_prefix_hits_and_preemption():
-    eng = MirroredEngine(num_blocks=14, block_size=4, budget=16, max_num_seqs=4,
-                         max_model_len=56, kv_watermark=0.0)
+# a full-attention layer and a sliding one (window 6 tokens: under two blocks of 4)
+FULL_AND_SLIDING = KVCacheGroups.of([None, 6])
+
+
+@pytest.mark.parametrize("groups,num_blocks", [(UNIFORM, 14), (FULL_AND_SLIDING, 22)],
+                         ids=["one-group", "full-and-sliding"])
+def test_worker_view_matches_the_core_over_chunked_prefill_prefix_hits_and_preemption(
+        groups, num_blocks):
+    eng = MirroredEngine(num_blocks=num_blocks, block_size=4, budget=16, max_num_seqs=4,
+                         max_model_len=56, groups=groups, kv_watermark=0.0)
     system = list(range(100, 120))  # 20 tokens: 5 full blocks, once warm
     warm = eng.add("r0", system + [1], max_tokens=2)
     for _ in range(10):
