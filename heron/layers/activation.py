@@ -22,3 +22,10 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
         return torch.ops.heron_cpu.silu_and_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """(..., 2 * d) -> (..., d): gelu(gate, tanh approximation) * up (Gemma's
+    ``gelu_pytorch_tanh``), gate first as in the fused gate_up weight."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up

@@ -25,6 +25,7 @@ from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
 from heron import envs
+from heron.loader import gguf_gemma3
 from heron.quant import gguf_blocks
 from heron.quant.gguf_blocks import QuantizedRows
 
@@ -34,6 +35,7 @@ _ARCHS = {
     "mistral": ("mistral", "MistralForCausalLM"),
     "qwen2": ("qwen2", "Qwen2ForCausalLM"),
     "qwen3": ("qwen3", "Qwen3ForCausalLM"),
+    "gemma3": ("gemma3", "Gemma3ForCausalLM"),  # model_type gemma3_text (gguf_gemma3)
 }
 # llama.cpp permutes q/k rows only for these (they use interleaved "normal" RoPE).
 _PERMUTED_ARCHS = {"llama", "mistral"}
@@ -129,14 +131,39 @@ def _llama3_rope_scaling(freqs: np.ndarray, theta: float, head_dim: int, orig_ct
             "high_freq_factor": high, "original_max_position_embeddings": orig_ctx}
 
 
+def _yarn_scaling(reader: GGUFReader, arch: str) -> dict:
+    """HF yarn keys from llama.cpp's ``{arch}.rope.scaling.yarn_*`` metadata (where present).
+
+    ``yarn_log_multiplier`` is 0.1 x HF's ``mscale_all_dim`` (llama.cpp's converter); with
+    ``mscale`` equal to it the rope's attention factor is 1, as llama.cpp applies it.
+    ``yarn_ext_factor`` other than 1 (or negative: llama.cpp's "the default", 1 for yarn)
+    blends interpolation in a way HF's yarn cannot express: a ValueError."""
+    key = lambda name: _meta(reader, f"{arch}.rope.scaling.{name}")  # noqa: E731
+    out = {}
+    for gguf_name, hf_name in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow")):
+        if key(gguf_name) is not None:
+            out[hf_name] = float(key(gguf_name))
+    log_mul = key("yarn_log_multiplier")
+    if log_mul:
+        out["mscale"] = out["mscale_all_dim"] = float(log_mul) / 0.1
+    ext = key("yarn_ext_factor")
+    if ext is not None and float(ext) >= 0 and float(ext) != 1.0:
+        raise ValueError(f"GGUF {arch}.rope.scaling.yarn_ext_factor {float(ext)} is not "
+                         f"supported (HF's yarn is ext_factor 1)")
+    return out
+
+
 def _rope_scaling(reader: GGUFReader, arch: str, theta: float, head_dim: int) -> dict | None:
-    """HF rope_scaling dict from ``{arch}.rope.scaling.*`` metadata or a ``rope_freqs`` tensor."""
+    """HF rope_scaling dict (as ``heron.models.config.rope_of`` reads it) from
+    ``{arch}.rope.scaling.*`` metadata or a ``rope_freqs`` tensor."""
     kind = _meta(reader, f"{arch}.rope.scaling.type")
     orig = _meta(reader, f"{arch}.rope.scaling.original_context_length")
     if kind and kind != "none":
         out = {"rope_type": kind, "factor": float(_meta(reader, f"{arch}.rope.scaling.factor", 1.0))}
         if orig:
             out["original_max_position_embeddings"] = int(orig)
+        if kind == "yarn":
+            out.update(_yarn_scaling(reader, arch))
         return out
     rope_freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
     if rope_freqs is None:
@@ -187,21 +214,23 @@ def _config_from_reader(reader: GGUFReader) -> dict:
         cfg["pad_token_id"] = _meta(reader, "tokenizer.ggml.padding_token_id")
     if model_type == "mistral":
         cfg["sliding_window"] = None  # llama.cpp runs these with full attention
+    if arch == "gemma3":
+        gguf_gemma3.update_config(cfg, key)
     return cfg
 
 
 def read_gguf_config(path: str | Path) -> dict:
-    """HF-style config.json dict from GGUF metadata (llama, mistral, qwen2, qwen3)."""
+    """HF-style config.json dict from GGUF metadata (llama, mistral, qwen2, qwen3, gemma3)."""
     return _config_from_reader(_open(path))
 
 
-def _hf_name(gguf_name: str) -> str:
+def _hf_name(gguf_name: str, block_names: dict[str, str] = _BLOCK_NAMES) -> str:
     """Map a llama.cpp tensor name (``blk.3.attn_q.weight``) to its HF parameter name."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     parts = gguf_name.split(".")
-    if len(parts) == 4 and parts[0] == "blk" and parts[2] in _BLOCK_NAMES:
-        return f"model.layers.{parts[1]}.{_BLOCK_NAMES[parts[2]]}.{parts[3]}"
+    if len(parts) == 4 and parts[0] == "blk" and parts[2] in block_names:
+        return f"model.layers.{parts[1]}.{block_names[parts[2]]}.{parts[3]}"
     raise ValueError(f"Unknown GGUF tensor {gguf_name!r}")
 
 
@@ -222,11 +251,13 @@ def iter_gguf_weights(path: str | Path, config: dict, keep_quantized: bool = Fal
     float32, or with ``keep_quantized`` a matrix of a type heron's kernels run as
     ``QuantizedRows`` (decoded blocks, not dequantized)."""
     reader = _open(path)  # memory-mapped
-    permute = _gguf_arch(reader) in _PERMUTED_ARCHS
+    arch = _gguf_arch(reader)
+    permute = arch in _PERMUTED_ARCHS
+    block_names = gguf_gemma3.BLOCK_NAMES if arch == "gemma3" else _BLOCK_NAMES
     for t in reader.tensors:
         if t.name in _SKIPPED_TENSORS:
             continue
-        name = _hf_name(t.name)
+        name = _hf_name(t.name, block_names)
         if keep_quantized and len(t.shape) == 2 and gguf_blocks.can_keep_quantized(
                 t.tensor_type):
             w = gguf_blocks.QuantizedRows.from_raw(t.data, t.tensor_type)
@@ -235,6 +266,8 @@ def iter_gguf_weights(path: str | Path, config: dict, keep_quantized: bool = Fal
             # is a read-only view of the mmap, so always copy.
             arr = np.array(dequantize(t.data, t.tensor_type), dtype=np.float32, copy=True)
             w = torch.from_numpy(arr.reshape([int(d) for d in reversed(t.shape)]))
+            if arch == "gemma3":
+                w = gguf_gemma3.shift_norm(t.name, w)
         if permute and ".attn_q." in t.name:
             w = _permuted(w, config["num_attention_heads"])
         elif permute and ".attn_k." in t.name:
@@ -256,9 +289,10 @@ def _cache_dir(path: Path, cache_root: str | Path | None) -> Path:
     return Path(root) / "gguf" / f"{path.stem}-{key}"
 
 
-def _generation_config(cfg: dict, reader: GGUFReader) -> dict:
+def _generation_config(cfg: dict, reader: GGUFReader, extra_eos: list[int] = ()) -> dict:
     """generation_config.json: stop on eos and, if distinct, the end-of-turn token."""
-    eos = [i for i in (cfg["eos_token_id"], _meta(reader, "tokenizer.ggml.eot_token_id")) if i is not None]
+    eos = [i for i in (cfg["eos_token_id"], _meta(reader, "tokenizer.ggml.eot_token_id"),
+                       *extra_eos) if i is not None]
     eos = list(dict.fromkeys(eos))
     gen = {"bos_token_id": cfg["bos_token_id"], "eos_token_id": eos[0] if len(eos) == 1 else eos}
     if "pad_token_id" in cfg:
@@ -277,12 +311,17 @@ def _write_tokenizer_dir(path: Path, out: Path) -> None:
     tc_path = out / "tokenizer_config.json"
     tc = json.loads(tc_path.read_text())
     template = _meta(reader, "tokenizer.chat_template")
+    gemma = _gguf_arch(reader) == "gemma3"
+    if gemma and not template:
+        template = gguf_gemma3.CHAT_TEMPLATE  # a base checkpoint's GGUF carries none
     if template and "chat_template" not in tc:
         tc["chat_template"] = template  # also kept for readers that ignore chat_template.jinja
     tc["model_max_length"] = cfg["max_position_embeddings"]
     tc_path.write_text(json.dumps(tc, indent=2, ensure_ascii=False))
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
-    (out / "generation_config.json").write_text(json.dumps(_generation_config(cfg, reader), indent=2))
+    extra_eos = gguf_gemma3.extra_eos(tok) if gemma else []
+    (out / "generation_config.json").write_text(
+        json.dumps(_generation_config(cfg, reader, extra_eos), indent=2))
 
 
 def prepare_gguf_tokenizer_dir(path: str | Path, cache_root: str | Path | None = None) -> Path:

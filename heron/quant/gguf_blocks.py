@@ -8,6 +8,8 @@ them (little-endian). Per type (QK = values per block):
 * Q8_0 (QK 32): fp16 d, 32 int8            -> w = d * v                 (v + 128 stored)
 * Q4_0 (QK 32): fp16 d, 16 bytes of nibbles -> w = d * (q - 8)
 * Q4_1 (QK 32): fp16 d, fp16 m, nibbles    -> w = d * q + m
+* Q5_0 (QK 32): fp16 d, 4 bytes of fifth bits (bit j: value j), nibbles -> w = d * (q - 16)
+* Q5_1 (QK 32): fp16 d, fp16 m, fifth bits, nibbles                     -> w = d * q + m
 * Q4_K (QK 256): fp16 d, dmin, 12 bytes of 6-bit (scale, min) for 8 groups of 32, 128 bytes
   of nibbles                                -> w = d * sc * q - dmin * mn
 * Q5_K (QK 256): Q4_K plus 32 bytes holding each value's fifth bit
@@ -75,6 +77,27 @@ def _q4_1(data):
     return DecodedRows(q.reshape(q.shape[0], -1), d, m, 32, 4)
 
 
+def _fifth_bits_32(qh: np.ndarray, qs: np.ndarray) -> np.ndarray:
+    """(..., 4) bytes of high bits (a little-endian uint32, bit j for value j) and (..., 16)
+    bytes of nibbles -> (..., 32) five-bit values."""
+    bits = np.unpackbits(np.ascontiguousarray(qh), axis=-1, bitorder="little")
+    return _nibbles_32(qs) | (bits << 4)
+
+
+def _q5_0(data):
+    b = _blocks(data, 22)
+    d = _f16(b[..., 0:2])
+    q = _fifth_bits_32(b[..., 2:6], b[..., 6:])
+    return DecodedRows(q.reshape(q.shape[0], -1), d, -16.0 * d, 32, 5)
+
+
+def _q5_1(data):
+    b = _blocks(data, 24)
+    d, m = _f16(b[..., 0:2]), _f16(b[..., 2:4])
+    q = _fifth_bits_32(b[..., 4:8], b[..., 8:])
+    return DecodedRows(q.reshape(q.shape[0], -1), d, m, 32, 5)
+
+
 def _k_scales(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """12 bytes -> 8 six-bit scales and 8 six-bit mins (llama.cpp's get_scale_min_k4)."""
     p = packed.astype(np.uint8)
@@ -140,6 +163,7 @@ def _q6_k(data):
 
 
 DECODERS = {} if T is None else {T.Q8_0: _q8_0, T.Q4_0: _q4_0, T.Q4_1: _q4_1,
+                                 T.Q5_0: _q5_0, T.Q5_1: _q5_1,
                                  T.Q4_K: _q4_k, T.Q5_K: _q5_k, T.Q6_K: _q6_k}
 
 
