@@ -65,3 +65,16 @@ def hf_prompt_logprobs(model, prompt_ids: list[int]) -> list[float]:
     """logprob of prompt token i given tokens < i, for i >= 1."""
     logits = model(torch.tensor([prompt_ids])).logits[0].float().log_softmax(-1)
     return [float(logits[i - 1, prompt_ids[i]]) for i in range(1, len(prompt_ids))]
+
+
+def assert_matches_hf(outputs, refs, atol: float = 1e-4) -> None:
+    """heron ``RequestOutput``s against ``hf_greedy`` references: the same greedy tokens, and
+    every reference top-n logprob within ``atol``."""
+    import pytest
+
+    for out, (ref_tokens, ref_logprobs) in zip(outputs, refs, strict=True):
+        got = out.outputs[0]
+        assert got.token_ids == ref_tokens, f"prompt of {len(out.prompt_token_ids)} diverged"
+        for step, ref in enumerate(ref_logprobs):
+            for token, lp in ref.items():
+                assert got.logprobs[step][token][0] == pytest.approx(lp, abs=atol)

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from hf_reference import TINY_CONFIGS, hf_prompt_logprobs, random_greedy_cases
+from hf_reference import (TINY_CONFIGS, assert_matches_hf, hf_prompt_logprobs,
+                          random_greedy_cases)
 from heron import LLM, SamplingParams
 
 MAX_NEW = 16
@@ -58,13 +59,7 @@ def test_greedy_and_logprobs_match_hf(tiny, cases, setting):
     llm = LLM(str(path), **kwargs)
     mixes = _record_mix(llm)
     params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=5)
-    outputs = llm.generate(prompts, params)
-    for prompt, out, (ref_tokens, ref_logprobs) in zip(prompts, outputs, refs):
-        got = out.outputs[0]
-        assert got.token_ids == ref_tokens, f"prompt of {len(prompt)} tokens diverged"
-        for step, ref in enumerate(ref_logprobs):
-            for token, lp in ref.items():
-                assert got.logprobs[step][token][0] == pytest.approx(lp, abs=1e-4)
+    assert_matches_hf(llm.generate(prompts, params), refs)
     if setting.endswith("chunked+preempt"):
         assert llm.engine.scheduler.stats.num_preemptions > 0
         assert any(chunks and decodes for chunks, decodes in mixes), "no mixed step happened"

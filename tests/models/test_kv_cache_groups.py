@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from hf_reference import hf_greedy, make_tiny_model, random_greedy_cases
+from hf_reference import assert_matches_hf, hf_greedy, make_tiny_model, random_greedy_cases
 from heron import LLM, SamplingParams
 from heron.models.kv_cache_spec import cdiv
 
@@ -85,13 +85,7 @@ def test_full_and_sliding_groups_match_hf(mixed, setting):
     assert [g.sliding_window for g in kv.groups] == [None, 12]
     most = _track_sliding_blocks(llm)
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=5)
-    outputs = llm.generate(prompts, params)
-    for prompt, out, (ref_tokens, ref_logprobs) in zip(prompts, outputs, refs):
-        got = out.outputs[0]
-        assert got.token_ids == ref_tokens, f"prompt of {len(prompt)} tokens diverged"
-        for step, ref in enumerate(ref_logprobs):
-            for token, lp in ref.items():
-                assert got.logprobs[step][token][0] == pytest.approx(lp, abs=1e-4)
+    assert_matches_hf(llm.generate(prompts, params), refs)
     chunk, bs = llm.engine.config.scheduler.max_num_batched_tokens, kv.block_size
     assert max(most.values()) <= cdiv(12 - 1 + chunk, bs) + 1
     if setting == "chunked+preempt":

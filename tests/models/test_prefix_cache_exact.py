@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from hf_reference import hf_greedy, make_tiny_model
+from hf_reference import assert_matches_hf, hf_greedy, make_tiny_model
 from heron import LLM, SamplingParams
 
 MAX_NEW = 12
@@ -30,15 +30,6 @@ def shared(tmp_path_factory):
     return path, hf, prompts, refs
 
 
-def _check(outputs, refs) -> None:
-    for out, (ref_tokens, ref_logprobs) in zip(outputs, refs):
-        got = out.outputs[0]
-        assert got.token_ids == ref_tokens, f"prompt of {len(out.prompt_token_ids)} diverged"
-        for step, ref in enumerate(ref_logprobs):
-            for token, lp in ref.items():
-                assert got.logprobs[step][token][0] == pytest.approx(lp, abs=1e-4)
-
-
 def _assert_all_blocks_available(llm: LLM) -> None:
     kv = llm.engine.kv_cache
     assert kv.num_free_blocks == kv.num_blocks
@@ -50,9 +41,9 @@ def test_warm_cache_hits_are_exact(shared, policy):
     path, _, prompts, refs = shared
     llm = LLM(str(path), block_size=BLOCK, max_num_batched_tokens=512,
               scheduling_policy=policy)
-    _check(llm.generate(prompts[:1], GREEDY), refs[:1])
+    assert_matches_hf(llm.generate(prompts[:1], GREEDY), refs[:1])
     outputs = llm.generate(prompts, GREEDY)
-    _check(outputs, refs)
+    assert_matches_hf(outputs, refs)
     cached = [out.num_cached_tokens for out in outputs]
     assert cached[0] == len(prompts[0]) - 1 - (len(prompts[0]) - 1) % BLOCK  # all but the tail
     assert all(c >= SYSTEM_LEN // BLOCK * BLOCK for c in cached[1:5])
@@ -68,7 +59,7 @@ def test_preempting_requests_that_share_a_prefix_is_exact(shared):
     llm = LLM(str(path), block_size=BLOCK, num_kv_blocks=24, max_num_batched_tokens=16,
               max_num_seqs=4)
     outputs = llm.generate(prompts, GREEDY)
-    _check(outputs, refs)
+    assert_matches_hf(outputs, refs)
     stats = llm.engine.stats()
     assert stats.scheduler.num_preemptions > 0
     assert stats.prefix_cache.hits > 0
@@ -83,7 +74,7 @@ def test_cache_off_gives_the_same_outputs_and_computes_every_token(shared):
               enable_prefix_caching=False)
     llm.generate(prompts[:1], GREEDY)
     outputs = llm.generate(prompts, GREEDY)
-    _check(outputs, refs)
+    assert_matches_hf(outputs, refs)
     assert all(out.num_cached_tokens == 0 for out in outputs)
     stats = llm.engine.stats()
     assert stats.prefix_cache.hits == 0 and stats.num_cached_blocks == 0
@@ -96,7 +87,7 @@ def test_next_chat_turn_reuses_the_generated_blocks(shared):
     first = llm.generate(prompts[0], GREEDY)[0]
     turn2 = prompts[0] + first.outputs[0].token_ids + [5, 6, 7]
     out = llm.generate(turn2, GREEDY)[0]
-    _check([out], [hf_greedy(hf, turn2, MAX_NEW, top_n=3)])
+    assert_matches_hf([out], [hf_greedy(hf, turn2, MAX_NEW, top_n=3)])
     # the cached KV reaches into the first turn's output, not just its prompt
     assert out.num_cached_tokens > len(prompts[0])
 

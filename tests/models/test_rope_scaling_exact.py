@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from hf_reference import hf_greedy, make_tiny_model
+from hf_reference import assert_matches_hf, hf_greedy, make_tiny_model
 from heron import LLM, SamplingParams
 
 ORIGINAL = 64
@@ -72,15 +72,6 @@ def tiny_rope(tmp_path_factory):
     return get
 
 
-def _assert_matches(outputs, refs) -> None:
-    for out, (ref_tokens, ref_logprobs) in zip(outputs, refs):
-        got = out.outputs[0]
-        assert got.token_ids == ref_tokens, f"prompt of {len(out.prompt_token_ids)} diverged"
-        for step, ref in enumerate(ref_logprobs):
-            for token, lp in ref.items():
-                assert got.logprobs[step][token][0] == pytest.approx(lp, abs=1e-4)
-
-
 PARAMS = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=5)
 
 
@@ -89,7 +80,7 @@ PARAMS = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, logp
 def test_chunked_mixed_batch_matches_hf(tiny_rope, arch, name):
     path, prompts, refs = tiny_rope(arch, name)
     llm = LLM(str(path), max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=24, block_size=8)
-    _assert_matches(llm.generate(prompts, PARAMS), refs)
+    assert_matches_hf(llm.generate(prompts, PARAMS), refs)
 
 
 @pytest.mark.parametrize("name", ["dynamic", "longrope"])
@@ -100,11 +91,11 @@ def test_length_dependent_rope_whatever_the_chunking(tiny_rope, name):
     for budget in (512, 37):
         llm = LLM(str(path), max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=budget,
                   block_size=16)
-        _assert_matches(llm.generate(prompts, PARAMS), refs)
+        assert_matches_hf(llm.generate(prompts, PARAMS), refs)
     # one sequence at a time through one engine (no state carried between them)
     llm = LLM(str(path), max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=64)
     for prompt, ref in zip(prompts[::-1], refs[::-1]):
-        _assert_matches(llm.generate([prompt], PARAMS), [ref])
+        assert_matches_hf(llm.generate([prompt], PARAMS), [ref])
 
 
 def test_hf_overrides_reach_the_model_and_workers(tiny_rope, tmp_path):
@@ -120,5 +111,5 @@ def test_hf_overrides_reach_the_model_and_workers(tiny_rope, tmp_path):
     for backend in ("uni", "mp"):
         llm = LLM(str(tmp_path), max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=32,
                   hf_overrides=overrides, distributed_executor_backend=backend)
-        _assert_matches(llm.generate(prompts[:3], PARAMS), refs[:3])
+        assert_matches_hf(llm.generate(prompts[:3], PARAMS), refs[:3])
         del llm
