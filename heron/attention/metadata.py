@@ -52,6 +52,13 @@ class AttentionMetadata:
     # (length-dependent rope scaling: dynamic NTK, longrope), max(position + 1, prompt
     # length); None: the model needs none (heron.layers.rotary.RotaryEmbedding)
     rope_lengths: torch.Tensor | None = None
+    # StreamingLLM (heron.attention.streaming): per request its (sink_tokens, window) or None;
+    # None when no request of the step streams. sink_positions (num_tokens,) int64: where
+    # each query sits in its StreamingLLM cache (sinks + window - 1; its own position for
+    # requests that do not stream): the model rotates a second copy of the queries there,
+    # for the sink keys
+    streaming: list[tuple[int, int] | None] | None = None
+    sink_positions: torch.Tensor | None = None
     # KV cache groups (heron.models.kv_cache_spec): this step as each group sees it (its own
     # slot_mapping and block_tables, the rest shared); None with a single group
     group_views: list[AttentionMetadata] | None = None

@@ -13,6 +13,7 @@ and the others go on; ``EngineFault`` when no request explains the failure.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import time
 
@@ -33,7 +34,8 @@ from heron.logging_config import startup_phase
 from heron.models import ModelArchConfig, get_model_class
 from heron.models.kv_cache_spec import kv_cache_groups
 from heron.models.config import architecture_of
-from heron.models.context_length import check_max_model_len, prefix_caching_allowed
+from heron.models.context_length import (check_max_model_len, check_streaming_kv,
+                                         prefix_caching_allowed)
 from heron.sampling_params import SamplingParams, child_seed
 from heron.worker.step import ModelRunnerOutput, SchedulerOutput
 
@@ -62,7 +64,7 @@ class EngineCore:
             source = resolve_model(config.model, config.load_format, config.hf_overrides)
             get_model_class(architecture_of(source.hf_config))  # unsupported: fail early
             self.arch = ModelArchConfig.from_hf(source.hf_config)
-            check_max_model_len(self.arch, config.max_model_len)
+            check_max_model_len(self.arch, config.max_model_len, config.cache.streaming_kv)
         self.model_name = source.name
         # where another process can load it from: --tokenizer's directory, else the model's
         self.tokenizer_dir = config.tokenizer or source.tokenizer_dir
@@ -123,6 +125,7 @@ class EngineCore:
         if request_id in self.sequences:
             raise ValueError(f"duplicate request id {request_id!r}")
         token_ids = list(prompt_token_ids)
+        params, cache_salt = self._with_streaming_kv(params, cache_salt)
         room = check_prompt(token_ids, params, self.max_model_len, self.arch.vocab_size)
         max_tokens = min(params.max_tokens or room, room)
         children = [self._child(request_id, i, token_ids, params, max_tokens)
@@ -133,6 +136,17 @@ class EngineCore:
                 child.arrival_time = arrival_time
             self.scheduler.add(child)
         self.sequences[request_id] = children
+
+    def _with_streaming_kv(self, params: SamplingParams, cache_salt: str | None):
+        """The request's StreamingLLM cache (its own, else --streaming-kv), checked against
+        the model; such a request caches its blocks apart (deep layers' KV past the window
+        differ from a whole-context request's)."""
+        streaming = params.streaming_kv or self.config.cache.streaming_kv
+        if streaming is None:
+            return params, cache_salt
+        check_streaming_kv(self.arch, streaming)
+        salt = f"{cache_salt or ''}\x00streaming-kv {streaming[0]},{streaming[1]}"
+        return dataclasses.replace(params, streaming_kv=streaming), salt
 
     def _child(self, request_id, index, token_ids, params, max_tokens) -> Request:
         seed = None

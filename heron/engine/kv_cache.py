@@ -110,10 +110,13 @@ class KVCacheManager:
         self.block_size = block_size
         self.groups = groups
         self.pool = BlockPool(num_blocks)
-        # one tree per group; the first one's events name what a router can route on
+        # one tree per group; the first one's events name what a router can route on. Any
+        # tree may hold released blocks inside a path (sliding groups, StreamingLLM requests):
+        # it evicts unreferenced inner nodes too (least recently used first, so leaves before
+        # the ancestors a request touched with them)
         self.trees = [PrefixCache(self.pool, block_size, record_events and g == 0,
-                                  evict_inner=group.is_sliding)
-                      for g, group in enumerate(groups)] if enable_prefix_caching else []
+                                  evict_inner=True)
+                      for g in range(len(groups))] if enable_prefix_caching else []
 
     @property
     def prefix_cache(self) -> PrefixCache | None:
@@ -158,20 +161,39 @@ class KVCacheManager:
         tokens = request.token_ids_between(0, max_blocks * self.block_size)
         paths = [t.match(tokens, request.cache_salt, max_blocks) for t in self.trees]
         k = min(len(p) for p in paths)
-        while k > 0 and not all(self._reusable(group, path, k)
+        while k > 0 and not all(self._reusable(group, path, k, request)
                                 for group, path in zip(self.groups, paths)):
             k -= 1
         if k == 0:
             return NO_HIT
-        firsts = [group.first_needed_block(k * self.block_size, self.block_size)
-                  for group in self.groups]
-        return PrefixHit([[node if i >= first else None for i, node in enumerate(path[:k])]
-                          for first, path in zip(firsts, paths)])
+        return PrefixHit([[node if self._needed(group, request, i, k * self.block_size)
+                           else None for i, node in enumerate(path[:k])]
+                          for group, path in zip(self.groups, paths)])
 
-    def _reusable(self, group: KVCacheGroup, path: list[CacheNode], k: int) -> bool:
+    def _reusable(self, group: KVCacheGroup, path: list[CacheNode], k: int,
+                  request: Request) -> bool:
         """Whether ``path``'s first ``k`` blocks hold what queries from block ``k`` on read."""
-        first = group.first_needed_block(k * self.block_size, self.block_size)
-        return all(not path[i].is_hollow for i in range(first, k))
+        return all(not path[i].is_hollow for i in range(k)
+                   if self._needed(group, request, i, k * self.block_size))
+
+    # ---- what a request keeps ------------------------------------------------------------
+    def retention(self, group: KVCacheGroup, request: Request) -> tuple[int, int | None]:
+        """(head blocks always kept, window) of ``request`` in ``group``: a sliding group keeps
+        its window; a StreamingLLM request's full group its sink blocks and its window; else
+        (0, None): every block."""
+        if group.is_sliding:
+            return 0, group.sliding_window
+        streaming = request.params.streaming_kv
+        if streaming is None:
+            return 0, None
+        sinks, window = streaming
+        return cdiv(sinks, self.block_size), window
+
+    def _needed(self, group: KVCacheGroup, request: Request, index: int, position: int) -> bool:
+        """Whether a query at ``position`` (or later) of ``request`` reads block ``index``."""
+        head, window = self.retention(group, request)
+        return window is None or index < head or \
+            index >= max(0, position - window + 1) // self.block_size
 
     def record_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
         """Count an admission's prefix-cache query and hit (tokens), for the hit rate."""
@@ -218,7 +240,7 @@ class KVCacheManager:
     def _cache_block(self, request: Request, tree: PrefixCache, table: BlockTable,
                      index: int, tokens: tuple[int, ...]) -> None:
         parent = table.last_cached_node or tree.root(request.cache_salt)
-        own = table.block_ids[index] if index >= table.num_released else HOLLOW
+        own = HOLLOW if table.is_released(index) else table.block_ids[index]
         node = tree.insert(parent, tokens, own)
         if own != HOLLOW and node.block_id != own:
             tree.acquire([node])
@@ -284,23 +306,29 @@ class KVCacheManager:
         return new_blocks
 
     def _take_hit(self, request: Request, hit: PrefixHit) -> None:
-        for tree, table, path in zip(self.trees, request.tables, hit.paths):
+        for group, tree, table, path in zip(self.groups, self.trees, request.tables, hit.paths):
             held = [node for node in path if node is not None]
             tree.acquire(held)
-            table.num_released = len(path) - len(held)  # out of the window: never taken
+            # blocks out of the window (between the head and it) are never taken
+            table.head = self.retention(group, request)[0]
+            table.num_released = len(path) - len(held)
             table.block_ids.extend(node.block_id if node else 0 for node in path)
             table.last_cached_node = path[-1]
         request.num_cached_blocks = len(hit)
 
     def release_out_of_window(self, request: Request) -> None:
-        """Give back each sliding group's blocks that no query of ``request`` will read
-        again (its next query sits at ``num_computed_tokens``)."""
+        """Give back the blocks between each table's head and the window that no query of
+        ``request`` will read again (its next query sits at ``num_computed_tokens``)."""
         for g, (group, table) in enumerate(zip(self.groups, request.tables)):
-            first = group.first_needed_block(request.num_computed_tokens, self.block_size)
+            head, window = self.retention(group, request)
+            if window is None:
+                continue
+            table.head = head
+            first = max(0, request.num_computed_tokens - window + 1) // self.block_size
             end = min(first, len(table.block_ids))
-            for i in range(table.num_released, end):
+            for i in range(head + table.num_released, end):
                 self._release(self._tree(g), table.block_ids[i])
-            table.num_released = max(table.num_released, end)
+            table.num_released = max(table.num_released, end - head)
 
     def _tree(self, g: int) -> PrefixCache | None:
         return self.trees[g] if self.trees else None

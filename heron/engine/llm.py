@@ -47,7 +47,8 @@ class LLM:
                  speculative_config: dict | str | None = None,
                  quantization: str | None = None, gpu_memory_utilization: float | None = None,
                  tokenizer: str | None = None, custom_ops: str | list[str] | None = None,
-                 cpu_int8_dot: bool = False, hf_overrides: dict | str | None = None) -> None:
+                 cpu_int8_dot: bool = False, hf_overrides: dict | str | None = None,
+                 streaming_kv: dict | str | None = None) -> None:
         configure_default()  # heron's INFO lines (startup phases) on stderr, like vLLM's
         self.engine = LLMEngine(EngineConfig(
             model=model, dtype=dtype, max_model_len=max_model_len, quantization=quantization,
@@ -62,7 +63,8 @@ class LLM:
             cache=CacheConfig(block_size=block_size, num_blocks=num_kv_blocks,
                               max_memory_gb=kv_cache_memory_gb,
                               memory_fraction=gpu_memory_utilization,
-                              enable_prefix_caching=enable_prefix_caching),
+                              enable_prefix_caching=enable_prefix_caching,
+                              streaming_kv=streaming_kv),
             scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens,
                                       max_num_seqs=max_num_seqs, policy=scheduling_policy),
         ))

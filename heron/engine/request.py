@@ -13,17 +13,24 @@ from heron.sampling_params import SamplingParams
 @dataclass(eq=False)
 class BlockTable:
     """A request's blocks in one KV cache group: block ``i`` holds positions
-    ``[i * block_size, (i + 1) * block_size)``. A sliding-window group gives back the blocks
-    that left its window: ``block_ids[:num_released]`` are no longer the request's (stale ids,
-    which attention masks out). ``last_cached_node``: the group's prefix-tree node of block
-    ``num_cached_blocks - 1`` of the request."""
+    ``[i * block_size, (i + 1) * block_size)``. A sliding-window group (or a StreamingLLM
+    request) gives back the blocks that left its window, after the first ``head`` (its
+    attention sinks, kept): ``block_ids[head:head + num_released]`` are no longer the
+    request's (stale ids, which attention never reads). ``last_cached_node``: the group's
+    prefix-tree node of block ``num_cached_blocks - 1`` of the request."""
 
     block_ids: list[int] = field(default_factory=list)
     num_released: int = 0
+    head: int = 0
     last_cached_node: object | None = field(default=None, repr=False)
 
     def owned(self) -> list[int]:
-        return self.block_ids[self.num_released:]
+        if not self.num_released:
+            return self.block_ids
+        return self.block_ids[:self.head] + self.block_ids[self.head + self.num_released:]
+
+    def is_released(self, index: int) -> bool:
+        return self.head <= index < self.head + self.num_released
 
     def clear(self) -> None:
         self.block_ids, self.num_released, self.last_cached_node = [], 0, None

@@ -64,7 +64,7 @@ def _make_llm(args):
                pipeline_parallel_size=args.pipeline_parallel_size,
                speculative_config=speculative_config(args), quantization=args.quantization,
                custom_ops=args.custom_ops, cpu_int8_dot=args.cpu_int8_dot,
-               hf_overrides=args.hf_overrides)
+               hf_overrides=args.hf_overrides, streaming_kv=args.streaming_kv)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -62,6 +62,11 @@ def engine_args(p: argparse.ArgumentParser, multi_node: bool = False) -> None:
                     "--no-enable-prefix-caching turns it off)")  # set after: no "(default: True)"
     g.add_argument("--no-prefix-cache", dest="enable_prefix_caching", action="store_false",
                    help=argparse.SUPPRESS)  # heron's older spelling of --no-enable-prefix-caching
+    g.add_argument("--streaming-kv", default=None, metavar="JSON",
+                   help='StreamingLLM for every request that does not set its own: '
+                        '{"sink_tokens": S, "window": W} keeps the first S tokens and the '
+                        'last W in the KV cache and evicts the middle as generation runs '
+                        '(unbounded generation in bounded memory; default: off)')
     g.add_argument("--gpu-memory-utilization", type=float, default=None, metavar="FRACTION",
                    help="share of the memory left after the weights load that the KV cache "
                         "may take (default: 0.5, on CPU at most 4 GB; given, on CPU the 4 GB cap "

@@ -151,7 +151,8 @@ def engine_config(args):
         cache=CacheConfig(block_size=args.block_size, num_blocks=args.num_kv_blocks,
                           max_memory_gb=args.kv_cache_memory,
                           memory_fraction=args.gpu_memory_utilization,
-                          enable_prefix_caching=args.enable_prefix_caching),
+                          enable_prefix_caching=args.enable_prefix_caching,
+                          streaming_kv=args.streaming_kv),
         scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens,
                                   max_num_seqs=args.max_num_seqs,
                                   policy=args.scheduling_policy))

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from heron.attention.metadata import get_forward_context
+from heron.attention.streaming import streaming_forward
 
 
 @torch.library.custom_op("heron::attention", mutates_args=())
@@ -32,10 +33,17 @@ def _(q, k, v, layer_idx, scale, sliding_window):
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_idx: int, scale: float,
-              sliding_window: int | None) -> torch.Tensor:
-    """q: (T, H, D), k, v: (T, KVH, D) -> (T, H, D) through the forward context's backend."""
+              sliding_window: int | None, q_sink: torch.Tensor | None = None) -> torch.Tensor:
+    """q: (T, H, D), k, v: (T, KVH, D) -> (T, H, D) through the forward context's backend.
+    ``q_sink`` (T, H, D): q rotated at StreamingLLM cache positions, given in steps with
+    StreamingLLM requests (``heron.attention.streaming``)."""
     if torch.compiler.is_compiling():
+        if q_sink is not None:
+            raise NotImplementedError("StreamingLLM requests run eagerly")
         return _attention_op(q, k, v, layer_idx, scale, sliding_window or 0)
     ctx = get_forward_context()
-    return ctx.backend.forward(q, k, v, ctx.kv_caches[layer_idx], ctx.metadata_of(layer_idx),
-                               scale, sliding_window)
+    md = ctx.metadata_of(layer_idx)
+    if md.streaming is not None:
+        return streaming_forward(ctx.backend, q, q_sink, k, v, ctx.kv_caches[layer_idx], md,
+                                 scale, sliding_window)
+    return ctx.backend.forward(q, k, v, ctx.kv_caches[layer_idx], md, scale, sliding_window)

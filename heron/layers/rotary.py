@@ -128,3 +128,12 @@ class RotaryEmbedding(nn.Module):
         freqs = positions.float().unsqueeze(1) * inv_freq
         emb = torch.cat((freqs, freqs), dim=-1)  # (T, D)
         return torch.where(over, emb.cos(), cos), torch.where(over, emb.sin(), sin)
+
+
+def sink_rope(rotary: RotaryEmbedding, dtype: torch.dtype):
+    """cos, sin at each query's StreamingLLM cache position (``AttentionMetadata.
+    sink_positions``) for the step being run; None in steps without StreamingLLM requests."""
+    ctx = current_forward_context()
+    if ctx is None or ctx.attn_metadata.sink_positions is None:
+        return None
+    return rotary(ctx.attn_metadata.sink_positions, dtype)

@@ -15,13 +15,19 @@ from heron.models.config import ModelArchConfig, rope_parameters_by_layer_type
 logger = logging.getLogger(__name__)
 
 
-def check_max_model_len(arch: ModelArchConfig, max_model_len: int | None) -> None:
+def check_max_model_len(arch: ModelArchConfig, max_model_len: int | None,
+                        streaming_kv: tuple[int, int] | None = None) -> None:
     """ValueError, naming the fix, when ``max_model_len`` exceeds what the model's positions
     cover: ``max_position_embeddings``, or the original length x factor of its rope scaling
-    (linear, dynamic, yarn, longrope, llama3). None (the model's own length) always fits."""
+    (linear, dynamic, yarn, longrope, llama3). None (the model's own length) always fits, and
+    so does any length under StreamingLLM (``streaming_kv``: its queries see sinks + window
+    at most, at in-cache distances)."""
     native = arch.max_position_embeddings
     covered = max_context(arch.rope_scaling, native)
     if max_model_len is None or max_model_len <= covered:
+        return
+    if streaming_kv is not None:
+        check_streaming_kv(arch, streaming_kv)
         return
     kind = rope_type_of(arch.rope_scaling)
     if kind == "default":
@@ -33,6 +39,21 @@ def check_max_model_len(arch: ModelArchConfig, max_model_len: int | None) -> Non
                      f"Pass a --max-model-len of at most {covered}, or extend the context with "
                      f"rope scaling, e.g. --hf-overrides '{example}' (LLM(hf_overrides=...) "
                      f"in Python; the model's quality past its trained length is its own)")
+
+
+def check_streaming_kv(arch: ModelArchConfig, streaming_kv: tuple[int, int]) -> None:
+    """ValueError unless StreamingLLM's cache (sinks + window) fits the model: the in-cache
+    distances stay within its positions, and its rotation does not depend on the sequence's
+    length (dynamic NTK, longrope)."""
+    sinks, window = streaming_kv
+    covered = max_context(arch.rope_scaling, arch.max_position_embeddings)
+    if sinks + window > covered:
+        raise ValueError(f"streaming_kv keeps {sinks} sink tokens + a window of {window}, more "
+                         f"than the {covered} positions the model covers")
+    kind = rope_type_of(arch.rope_scaling)
+    if kind in LENGTH_DEPENDENT:
+        raise ValueError(f"streaming_kv does not combine with {kind} rope scaling (its "
+                         f"rotation depends on the sequence's length)")
 
 
 def _override_for(arch: ModelArchConfig, max_model_len: int) -> dict:

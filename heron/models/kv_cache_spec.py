@@ -100,24 +100,30 @@ class KVCacheGroups:
                 out[layer] = slot
         return out
 
-    def blocks_for(self, num_tokens: int, block_size: int, chunk: int) -> int:
+    def blocks_for(self, num_tokens: int, block_size: int, chunk: int,
+                   streaming_kv: tuple[int, int] | None = None) -> int:
         """Pool blocks one request of ``num_tokens`` tokens holds at most, computing up to
         ``chunk`` tokens per step: every block in a full group, the window (plus the chunk
-        and a partly used block) in a sliding one."""
+        and a partly used block) in a sliding one; under StreamingLLM (``streaming_kv``:
+        sinks, window) a full group holds its sink blocks and its window."""
         total = 0
         for group in self.groups:
-            span = num_tokens if group.sliding_window is None else \
-                min(num_tokens, group.sliding_window - 1 + chunk)
-            total += cdiv(span, block_size) + (group.is_sliding and span < num_tokens)
+            head, window = 0, group.sliding_window
+            if window is None and streaming_kv is not None:
+                head, window = cdiv(streaming_kv[0], block_size), streaming_kv[1]
+            span = num_tokens if window is None else min(num_tokens, window - 1 + chunk)
+            kept = cdiv(span, block_size) + (span < num_tokens)
+            total += min(cdiv(num_tokens, block_size), head + kept)
         return total
 
-    def max_tokens_in(self, num_blocks: int, block_size: int, chunk: int, limit: int) -> int:
+    def max_tokens_in(self, num_blocks: int, block_size: int, chunk: int, limit: int,
+                      streaming_kv: tuple[int, int] | None = None) -> int:
         """The longest request, up to ``limit`` tokens, that ``num_blocks`` pool blocks can
         hold (a model with sliding layers only holds any length in its window)."""
         low, high = 0, limit
         while low < high:  # blocks_for grows with num_tokens
             mid = (low + high + 1) // 2
-            if self.blocks_for(mid, block_size, chunk) <= num_blocks:
+            if self.blocks_for(mid, block_size, chunk, streaming_kv) <= num_blocks:
                 low = mid
             else:
                 high = mid - 1

@@ -17,7 +17,8 @@ runs its layers in Python, as always:
   method with a ``stack_form`` (float32 dense, oneDNN-packed, or heron's grouped integer
   layout without an input permutation);
 - per step: float32 CPU hidden states without autograd, outside dynamo, no plugin op selected
-  for the running model (``--custom-ops``), no tree-attention masks in the batch.
+  for the running model (``--custom-ops``), no tree-attention masks and no StreamingLLM
+  request in the batch.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ def step_stack(decoder, hidden: torch.Tensor):
 def _step_fits(ctx: ForwardContext, hidden: torch.Tensor) -> bool:
     return (hidden.dim() == 2 and cpu_ops_enabled(hidden) and not custom_ops_selected()
             and not ctx.use_triton_ops and not ctx.attn_metadata.tree_masks
-            and ctx.backend.name == "cpu")
+            and ctx.attn_metadata.streaming is None and ctx.backend.name == "cpu")
 
 
 def run(stack, decoder, hidden: torch.Tensor, residual: torch.Tensor | None,

@@ -19,7 +19,7 @@ from heron.distributed.pipeline import IntermediateTensors, MissingLayer, stage_
 from heron.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from heron.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from heron.layers.norm import RMSNorm
-from heron.layers.rotary import RotaryEmbedding, apply_rotary
+from heron.layers.rotary import RotaryEmbedding, apply_rotary, sink_rope
 from heron.models import layer_stack
 from heron.models.config import ModelArchConfig
 
@@ -39,16 +39,21 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if qk_norm else None
 
-    def forward(self, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]):
+    def forward(self, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                rope_sink: tuple[torch.Tensor, torch.Tensor] | None = None):
+        """``rope_sink``: cos, sin at each query's StreamingLLM cache position (only in steps
+        with StreamingLLM requests): a second copy of q rotated there scores the sink keys."""
         qkv = self.qkv_proj(hidden).view(-1, self.num_heads + 2 * self.num_kv_heads,
                                          self.head_dim)  # (T, H + 2 * KVH, D)
-        qk, v = qkv.split([self.num_heads + self.num_kv_heads, self.num_kv_heads], dim=1)
+        qk_raw, v = qkv.split([self.num_heads + self.num_kv_heads, self.num_kv_heads], dim=1)
         if self.q_norm is not None:
-            qk = torch.cat([self.q_norm(qk[:, :self.num_heads]),
-                            self.k_norm(qk[:, self.num_heads:])], dim=1)
-        qk = apply_rotary(qk, *rope)  # q and k heads rotated together
+            qk_raw = torch.cat([self.q_norm(qk_raw[:, :self.num_heads]),
+                                self.k_norm(qk_raw[:, self.num_heads:])], dim=1)
+        qk = apply_rotary(qk_raw, *rope)  # q and k heads rotated together
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
-        out = attention(q, k, v, self.layer_idx, self.scale, self.sliding_window)
+        q_sink = None if rope_sink is None else \
+            apply_rotary(qk_raw[:, :self.num_heads].contiguous(), *rope_sink)
+        out = attention(q, k, v, self.layer_idx, self.scale, self.sliding_window, q_sink)
         return self.o_proj(out.reshape(-1, self.num_heads * self.head_dim))
 
 
@@ -71,7 +76,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, rope):
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, rope,
+                rope_sink=None):
         """(hidden, residual) -> (this layer's MLP output, the residual stream before it).
 
         The residual add of each sub-block is fused into the next norm (one kernel on GPU):
@@ -81,7 +87,8 @@ class DecoderLayer(nn.Module):
             residual, hidden = hidden, self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden, residual = self.post_attention_layernorm(self.self_attn(hidden, rope), residual)
+        hidden, residual = self.post_attention_layernorm(
+            self.self_attn(hidden, rope, rope_sink), residual)
         return self.mlp(hidden), residual
 
 
@@ -119,13 +126,14 @@ class DecoderModel(nn.Module):
         else:
             hidden, residual = intermediate.hidden, intermediate.residual
         rope = self.rotary_emb(positions, hidden.dtype)
+        rope_sink = sink_rope(self.rotary_emb, hidden.dtype)
         layers = self.layer_range if num_layers is None else self.layer_range[:num_layers]
         stack = layer_stack.step_stack(self, hidden)
         if stack is not None:
             hidden, residual = layer_stack.run(stack, self, hidden, residual, rope, layers)
         else:
             for i in layers:
-                hidden, residual = self.layers[i](hidden, residual, rope)
+                hidden, residual = self.layers[i](hidden, residual, rope, rope_sink)
         if not self.is_last_stage:
             return IntermediateTensors(hidden, residual)
         return self.norm(hidden, residual)[0]

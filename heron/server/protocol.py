@@ -75,6 +75,15 @@ class StreamOptions(StrictModel):
     include_usage: bool = False
 
 
+class StreamingKV(StrictModel):
+    """heron's extension: StreamingLLM for this request (attention sinks + a window); a
+    misspelt key is an error, not a silently whole-context request."""
+
+    model_config = ConfigDict(extra="forbid")  # merged with StrictModel's
+    sink_tokens: Annotated[int, Field(ge=0, le=MAX_INT32)] = 4
+    window: Annotated[int, Field(ge=1, le=MAX_INT32)]
+
+
 class _SamplingRequest(StrictModel):
     """Fields shared by /v1/completions and /v1/chat/completions (unknown fields are kept in
     ``model_extra`` and ignored unless listed in UNSUPPORTED_FIELDS)."""
@@ -102,6 +111,7 @@ class _SamplingRequest(StrictModel):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     cache_salt: Optional[str] = None  # prefix-cache namespace: no sharing across salts
+    streaming_kv: Optional[StreamingKV] = None  # heron: StreamingLLM (else --streaming-kv)
 
     @field_validator("cache_salt")
     @classmethod
@@ -142,7 +152,9 @@ class _SamplingRequest(StrictModel):
                 stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
                 include_stop_str_in_output=self.include_stop_str_in_output,
                 logprobs=logprobs, prompt_logprobs=prompt_logprobs,
-                skip_special_tokens=self.skip_special_tokens)
+                skip_special_tokens=self.skip_special_tokens,
+                streaming_kv=None if self.streaming_kv is None else (
+                    self.streaming_kv.sink_tokens, self.streaming_kv.window))
         except ValueError as exc:
             message = str(exc)
             field = message.split(" ", 1)[0]

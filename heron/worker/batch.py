@@ -33,6 +33,9 @@ class HostBatch:
     # (T,) the sequence length each token's rotary embedding is for (length-dependent rope
     # scaling only; see AttentionMetadata.rope_lengths)
     rope_lengths: torch.Tensor | None = None
+    # StreamingLLM requests of the step (see AttentionMetadata.streaming / sink_positions)
+    streaming: list[tuple[int, int] | None] | None = None
+    sink_positions: torch.Tensor | None = None  # (T,)
 
     @property
     def num_reqs(self) -> int:
@@ -45,14 +48,15 @@ class HostBatch:
     def metadata(self, tensors: dict[str, torch.Tensor], block_size: int) -> AttentionMetadata:
         """The first KV cache group's metadata; with several groups, ``group_views`` holds
         each group's (the same step, its own slots and tables)."""
-        rope_lengths = None if self.rope_lengths is None else \
-            self.rope_lengths.to(tensors["positions"].device)
+        device = tensors["positions"].device
+        rope_lengths = None if self.rope_lengths is None else self.rope_lengths.to(device)
+        sink_positions = None if self.sink_positions is None else self.sink_positions.to(device)
         views = [AttentionMetadata(
             slot_mapping=slots, block_tables=tables, seq_lens=tensors["seq_lens"],
             query_start_loc=tensors["query_start_loc"],
             query_start_loc_cpu=self.query_start_loc_cpu, query_lens_cpu=self.query_lens_cpu,
             seq_lens_cpu=self.seq_lens_cpu, block_size=block_size, tree_masks=self.tree_masks,
-            rope_lengths=rope_lengths)
+            rope_lengths=rope_lengths, streaming=self.streaming, sink_positions=sink_positions)
             for slots, tables in zip(tensors["slot_mapping"], tensors["block_tables"])]
         if len(views) > 1:
             views[0].group_views = views

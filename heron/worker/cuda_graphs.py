@@ -147,7 +147,7 @@ class DecodeGraphRunner:
 
     def can_run(self, host: HostBatch) -> bool:
         return (host.is_decode_only and host.num_reqs <= self.buckets[-1]
-                and host.block_tables.shape[2] <= self.max_blocks)
+                and host.block_tables.shape[2] <= self.max_blocks and host.streaming is None)
 
     @torch.inference_mode()
     def capture_all(self) -> None:

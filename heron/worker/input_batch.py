@@ -180,6 +180,7 @@ class InputBatch:
                                              host.query_start_loc_cpu[i + 1])]
         host.prompt_lp_rows = _prompt_logprob_rows(states, starts, query_lens,
                                                    host.query_start_loc_cpu)
+        _mark_streaming(host, states, query_lens)
         return host
 
     def batch_at(self, rows: np.ndarray, starts: np.ndarray, query_lens: np.ndarray,
@@ -206,6 +207,19 @@ class InputBatch:
             torch.from_numpy(seq_lens), torch.from_numpy(query_start_loc),
             torch.from_numpy(np.ascontiguousarray(block_tables)), query_start_loc.tolist(),
             query_lens.tolist(), seq_lens.tolist(), [], {})
+
+
+def _mark_streaming(host: HostBatch, states: list[SequenceState], query_lens: np.ndarray):
+    """StreamingLLM sequences of the step: their (sinks, window), and where each of their
+    queries sits in its cache (sinks + window - 1)."""
+    streams = [s.params.streaming_kv for s in states]
+    if not any(streams):
+        return
+    host.streaming = streams
+    in_cache = np.array([sum(st) - 1 if st else -1 for st in streams], dtype=np.int64)
+    per_token = np.repeat(in_cache, query_lens)  # (T,)
+    host.sink_positions = torch.from_numpy(
+        np.where(per_token >= 0, per_token, host.positions.numpy()))
 
 
 def _prompt_logprob_rows(states, starts, query_lens, query_start_loc) -> dict[int, list[int]]:

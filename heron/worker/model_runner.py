@@ -81,11 +81,11 @@ class ModelRunner:
         self._layer_groups = None if single else self.kv_groups.group_of_layer(arch.num_layers)
         self.num_blocks = num_blocks
         self.kv_caches = self._allocate_kv_caches(model)
-        # No position reaches the KV capacity; rotary tables are sized once for the context.
-        # (a model with sliding layers only holds any length in its windows)
-        self.max_context = max_model_len or arch.max_position_embeddings
-        if self.kv_groups.has_full:
-            self.max_context = min(self.max_context, num_blocks * block_size)
+        # No position reaches max_model_len (which the worker fit to the KV capacity: a model
+        # with sliding layers only, or StreamingLLM, holds any length); rotary tables are
+        # sized once for the context.
+        self.max_context = max_model_len or min(num_blocks * block_size,
+                                                arch.max_position_embeddings)
         self._rotary = [m for m in model.modules() if isinstance(m, RotaryEmbedding)]
         # length-dependent rope scaling (dynamic NTK, longrope): each token's sequence length
         # rides in the metadata (data-dependent cos/sin: no decode graphs)

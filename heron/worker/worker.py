@@ -115,13 +115,15 @@ class Worker:
         # a pool block holds one layer of a group's slot: the slots this stage's layers use
         slot_of = groups.slot_of_layer(arch.num_layers)
         per_block = KVLayout(len({slot_of[i] for i in layers}), kv_heads, head_dim)
-        useful = config.scheduler.max_num_seqs * groups.blocks_for(wanted, block_size, chunk)
+        streaming = config.cache.streaming_kv
+        useful = config.scheduler.max_num_seqs * groups.blocks_for(wanted, block_size, chunk,
+                                                                   streaming)
         with startup_phase(logger, "KV cache sizing") as phase:
             blocks = _agree_min(num_kv_blocks(per_block, config.cache, dtype, self.device,
                                               useful * block_size, _draft_kv_layout(draft)),
                                 self.device)
-            self.max_model_len = fit_max_model_len(
-                wanted, config.max_model_len, groups.max_tokens_in(blocks, block_size, chunk, wanted))
+            capacity = groups.max_tokens_in(blocks, block_size, chunk, wanted, streaming)
+            self.max_model_len = fit_max_model_len(wanted, config.max_model_len, capacity)
             phase.detail = f"{blocks} blocks x {block_size} tokens"
             if len(groups) > 1 or groups[0].is_sliding:
                 phase.detail += f", {_describe(groups)}"

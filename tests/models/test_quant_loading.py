@@ -74,8 +74,8 @@ def _random_blocks(tensor_type, rows: int, blocks: int, rng) -> np.ndarray:
     """Random bytes with every fp16 scale field set to a finite value."""
     _, size = GGML_QUANT_SIZES[tensor_type]
     raw = rng.integers(0, 256, (rows, blocks, size), dtype=np.uint8)
-    fp16_fields = {T.Q8_0: [0], T.Q4_0: [0], T.Q4_1: [0, 2], T.Q4_K: [0, 2], T.Q5_K: [0, 2],
-                   T.Q6_K: [208]}[tensor_type]
+    fp16_fields = {T.Q8_0: [0], T.Q4_0: [0], T.Q4_1: [0, 2], T.Q5_0: [0], T.Q5_1: [0, 2],
+                   T.Q4_K: [0, 2], T.Q5_K: [0, 2], T.Q6_K: [208]}[tensor_type]
     for off in fp16_fields:
         values = rng.uniform(-0.1, 0.1, (rows, blocks)).astype(np.float16)
         raw[..., off:off + 2] = values.view(np.uint8).reshape(rows, blocks, 2)

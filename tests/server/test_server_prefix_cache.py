@@ -107,3 +107,21 @@ def test_reset_frees_unused_cached_blocks(server, subscriber):
     removed = {h for e in events if e["type"] == "BlockRemoved" for h in e["block_hashes"]}
     assert set(block_hashes(PROMPT, BLOCK)) <= removed
     assert _complete(server, PROMPT)["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+
+
+def test_streaming_kv_requests_run_and_cache_apart(server):
+    """heron's ``streaming_kv`` request field (StreamingLLM): accepted, cached apart from
+    whole-context requests (their deep KV differs past the window), checked at the edge."""
+    _complete(server, PROMPT)  # the whole-context request caches the prompt's blocks
+    streaming = {"sink_tokens": 4, "window": 32}
+    first = _complete(server, PROMPT, streaming_kv=streaming, max_tokens=40)
+    assert first["usage"]["completion_tokens"] == 40
+    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    again = _complete(server, PROMPT, streaming_kv=streaming, max_tokens=40)
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    assert again["choices"][0]["text"] == first["choices"][0]["text"]
+    for bad in ({"window": 0}, {"sink_tokens": 4}, {"window": 8, "extra": 1}):
+        r = httpx.post(f"{server.url}/v1/completions",
+                       json={"prompt": PROMPT, "streaming_kv": bad})
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"].startswith("streaming_kv"), r.json()
