@@ -43,7 +43,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_idx: int,
         return _attention_op(q, k, v, layer_idx, scale, sliding_window or 0)
     ctx = get_forward_context()
     md = ctx.metadata_of(layer_idx)
-    if md.streaming is not None:
+    if md is not None and md.streaming is not None:
         return streaming_forward(ctx.backend, q, q_sink, k, v, ctx.kv_caches[layer_idx], md,
                                  scale, sliding_window)
     return ctx.backend.forward(q, k, v, ctx.kv_caches[layer_idx], md, scale, sliding_window)

@@ -134,6 +134,7 @@ def sink_rope(rotary: RotaryEmbedding, dtype: torch.dtype):
     """cos, sin at each query's StreamingLLM cache position (``AttentionMetadata.
     sink_positions``) for the step being run; None in steps without StreamingLLM requests."""
     ctx = current_forward_context()
-    if ctx is None or ctx.attn_metadata.sink_positions is None:
+    md = ctx.attn_metadata if ctx is not None else None
+    if md is None or md.sink_positions is None:
         return None
-    return rotary(ctx.attn_metadata.sink_positions, dtype)
+    return rotary(md.sink_positions, dtype)
