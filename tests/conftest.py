@@ -12,12 +12,20 @@ not mutate any of them.
 
 from __future__ import annotations
 
+import os
+import shutil
 from pathlib import Path
 from typing import Any, NamedTuple
 
-import pytest
+# Triton kernels run in its interpreter on a machine without a GPU. The variable must be set
+# before any module defines a kernel (whichever test module imports one first, in whatever
+# order the tiers are collected), so it is set here, before any heron import.
+if shutil.which("nvidia-smi") is None:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from heron.loader.gguf_loader import find_default_gguf
+import pytest  # noqa: E402
+
+from heron.loader.gguf_loader import find_default_gguf  # noqa: E402
 
 TIERS = ("unit", "models", "kernels", "server", "distributed", "reference_tools")
 

@@ -39,9 +39,10 @@ def _decode_batch(seq_lens: list[int], tables: list[list[int]], block_size: int)
     width = max(len(t) for t in tables)
     table_t = torch.tensor([t + [0] * (width - len(t)) for t in tables])
     slots = table_t[torch.arange(n), pos // block_size] * block_size + pos % block_size
-    return HostBatch(torch.arange(100, 100 + n), pos, slots, torch.tensor(seq_lens),
-                     torch.arange(n + 1), table_t, list(range(n + 1)), [1] * n, seq_lens,
-                     list(range(n)), {})
+    # one KV cache group: slots (1, T), tables (1, N, width)
+    return HostBatch(torch.arange(100, 100 + n), pos, slots.unsqueeze(0),
+                     torch.tensor(seq_lens), torch.arange(n + 1), table_t.unsqueeze(0),
+                     list(range(n + 1)), [1] * n, seq_lens, list(range(n)), {})
 
 
 def test_stage_writes_inputs_and_pads_the_rest():
