@@ -66,6 +66,9 @@ class CacheNode:
     parent: CacheNode | None = None
     children: dict[BlockKey, CacheNode] = field(default_factory=dict)
     last_access: int = 0
+    # unlinked by eviction (hollow, childless) while a request may still extend it: the
+    # next insert under it links its token path back into the tree
+    detached: bool = False
 
     @property
     def is_root(self) -> bool:
@@ -142,6 +145,8 @@ class PrefixCache:
         node there takes ``block_id``. ``block_id`` HOLLOW (a sliding group's block the
         request already gave back) adds only the link.
         """
+        if parent.detached:
+            parent = self._reattached(parent)
         node = parent.children.get(tokens)
         if node is None:
             node = CacheNode(tokens, HOLLOW, chain_hash(parent.block_hash, tokens), parent,
@@ -154,6 +159,21 @@ class PrefixCache:
                 parent_hash = None if parent.is_root else parent.block_hash
                 self.events.append(BlockStored([node.block_hash], parent_hash, list(tokens),
                                                self.block_size))
+        return node
+
+    def _reattached(self, node: CacheNode) -> CacheNode:
+        """The tree's node for ``node``'s token path: the detached nodes on the way linked
+        back (as they are: hollow), or the node that took their place meanwhile."""
+        chain = []
+        while node.detached:
+            chain.append(node)
+            node = node.parent
+        for lost in reversed(chain):  # ``node`` is in the tree
+            live = node.children.get(lost.tokens)
+            if live is None:
+                lost.parent, lost.detached = node, False
+                node.children[lost.tokens] = live = lost
+            node = live
         return node
 
     def mark_unreferenced(self, block_id: int) -> None:
@@ -195,6 +215,7 @@ class PrefixCache:
         becomes an unreferenced leaf turns evictable."""
         parent = node.parent
         del parent.children[node.tokens]
+        node.detached = True
         if parent.is_root or parent.children:
             return
         if parent.is_hollow:

@@ -131,6 +131,9 @@ class GroupedSchedulerMachine(RuleBasedStateMachine):
         for tree in self.kv.trees:
             for block, node in tree.nodes.items():
                 assert node.block_id == block and not node.is_hollow
+                while not node.is_root:  # every cached block is reachable from its root
+                    assert not node.detached and node.parent.children[node.tokens] is node
+                    node = node.parent
 
 
 GroupedSchedulerMachine.TestCase.settings = settings(
