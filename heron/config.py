@@ -108,13 +108,17 @@ class ParallelConfig:
     """How the model is split over worker ranks (vLLM's names).
 
     ``tensor_parallel_size`` ranks split every layer (heads, MLP features, vocabulary);
-    ``pipeline_parallel_size`` stages split the layers. World size = tp x pp. Multi-node: each
-    node runs ``nnodes``'s share of the ranks, ``node_rank`` 0 hosting the engine core, and
-    the ranks meet at ``master_addr:master_port``.
+    ``context_parallel_size`` ranks split every request's KV cache by block (each attends over
+    its blocks; the partial outputs merge exactly, ``heron.attention.context_parallel``);
+    ``pipeline_parallel_size`` stages split the layers. World size = tp x cp x pp (rank
+    layout: ``heron.distributed.parallel_state``). Multi-node: each node runs ``nnodes``'s
+    share of the ranks, ``node_rank`` 0 hosting the engine core, and the ranks meet at
+    ``master_addr:master_port``.
     """
 
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    context_parallel_size: int = 1
     nnodes: int = 1
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
@@ -123,13 +127,14 @@ class ParallelConfig:
     collective_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
-        for name in ("tensor_parallel_size", "pipeline_parallel_size", "nnodes"):
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "context_parallel_size",
+                     "nnodes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"node_rank must be in [0, {self.nnodes}), got {self.node_rank}")
         if self.world_size % self.nnodes:
-            raise ValueError(f"world size {self.world_size} (tp x pp) is not divisible by "
+            raise ValueError(f"world size {self.world_size} (tp x cp x pp) is not divisible by "
                              f"nnodes {self.nnodes}")
         if self.nnodes > 1 and self.master_port is None:
             raise ValueError("a multi-node world needs --master-port (and --master-addr)")
@@ -138,7 +143,15 @@ class ParallelConfig:
 
     @property
     def world_size(self) -> int:
-        return self.tensor_parallel_size * self.pipeline_parallel_size
+        return (self.tensor_parallel_size * self.context_parallel_size
+                * self.pipeline_parallel_size)
+
+    @property
+    def driver_rank(self) -> int:
+        """The rank whose step results the core reads: TP and CP rank 0 of the last stage
+        (the layout of ``heron.distributed.parallel_state``)."""
+        return ((self.pipeline_parallel_size - 1) * self.context_parallel_size
+                * self.tensor_parallel_size)
 
     @property
     def ranks_per_node(self) -> int:
@@ -337,15 +350,18 @@ class EngineConfig:
         object.__setattr__(self, "custom_ops", parse_custom_ops(self.custom_ops))
         if self.speculative is not None and self.parallel.world_size > 1:
             raise ValueError("speculative decoding runs on one rank for now (tensor x "
-                             "pipeline parallel size 1)")
+                             "context x pipeline parallel size 1)")
+        if self.cache.streaming_kv is not None and self.parallel.context_parallel_size > 1:
+            raise ValueError("--streaming-kv (StreamingLLM) is not supported with context "
+                             "parallelism (--context-parallel-size > 1)")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         if self.distributed_executor_backend not in (None, "uni", "mp"):
             raise ValueError(f"distributed_executor_backend must be 'uni' or 'mp', got "
                              f"{self.distributed_executor_backend!r}")
         if self.parallel.world_size > 1 and self.distributed_executor_backend == "uni":
-            raise ValueError(f"the 'uni' executor runs one rank; tensor x pipeline parallel "
-                             f"size {self.parallel.world_size} needs 'mp'")
+            raise ValueError(f"the 'uni' executor runs one rank; tensor x context x pipeline "
+                             f"parallel size {self.parallel.world_size} needs 'mp'")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
 

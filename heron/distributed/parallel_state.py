@@ -1,10 +1,20 @@
-"""Process groups of tensor and pipeline parallelism, and the collectives the layers use.
+"""Process groups of tensor, context and pipeline parallelism, and their collectives.
 
-World rank ``r = pp_rank * tp_size + tp_rank``: the ranks of one pipeline stage are
-contiguous (one TP group per stage: tensor parallelism inside a node, stages across nodes),
-and the ranks with the same ``tp_rank`` form a PP group, one per TP rank.
+World rank ``r = (pp_rank * cp_size + cp_rank) * tp_size + tp_rank``: the ranks of one
+pipeline stage are contiguous (``cp_size * tp_size`` of them: tensor and context parallelism
+inside a node, stages across nodes), and inside a stage each CP rank's TP group is
+contiguous. Groups:
 
-Until ``init_parallel`` runs (a single process) both groups are the trivial group of this
+* TP: the ``tp_size`` ranks of one (stage, CP rank), which split every layer;
+* CP: the ``cp_size`` ranks of one stage with the same ``tp_rank`` (the same KV heads),
+  which each hold every ``cp_size``-th KV block and merge their partial attention
+  (``heron.attention.context_parallel``);
+* PP: the ranks with the same (CP rank, TP rank) across stages.
+
+The driver, whose step results the core reads, is TP rank 0 and CP rank 0 of the last stage:
+world rank ``(pp_size - 1) * cp_size * tp_size`` (``driver_rank``).
+
+Until ``init_parallel`` runs (a single process) every group is the trivial group of this
 process alone and every collective is the identity, so a model built without
 torch.distributed runs unchanged.
 """
@@ -93,6 +103,16 @@ class GroupCoordinator:
         _timed_collective(lambda: dist.gather(t, parts, dst=self.ranks[0], group=self.group), t)
         return torch.cat(parts, dim=dim) if self.is_first else None
 
+    def all_gather(self, t: torch.Tensor) -> torch.Tensor:
+        """The members' ``t`` stacked in a new leading dim (group order) on every member:
+        ``(world_size, *t.shape)``."""
+        if self.world_size == 1:
+            return t.unsqueeze(0)
+        t = t.contiguous()
+        parts = [torch.empty_like(t) for _ in self.ranks]
+        _timed_collective(lambda: dist.all_gather(parts, t, group=self.group), t)
+        return torch.stack(parts)
+
     def broadcast(self, t: torch.Tensor, src_in_group: int = 0) -> torch.Tensor:
         """The value of member ``src_in_group``'s ``t`` on every member, in place."""
         if self.world_size > 1:
@@ -109,52 +129,64 @@ class GroupCoordinator:
         return t
 
 
-_TP = GroupCoordinator.solo()
-_PP = GroupCoordinator.solo()
+_GROUPS = {"tp": GroupCoordinator.solo(), "cp": GroupCoordinator.solo(),
+           "pp": GroupCoordinator.solo()}
 
 
 def get_tp_group() -> GroupCoordinator:
-    return _TP
+    return _GROUPS["tp"]
+
+
+def get_cp_group() -> GroupCoordinator:
+    return _GROUPS["cp"]
 
 
 def get_pp_group() -> GroupCoordinator:
-    return _PP
+    return _GROUPS["pp"]
 
 
-def group_ranks(tp: int, pp: int) -> tuple[list[list[int]], list[list[int]]]:
-    """(TP groups, PP groups) as lists of world ranks."""
-    tp_groups = [[stage * tp + t for t in range(tp)] for stage in range(pp)]
-    pp_groups = [[stage * tp + t for stage in range(pp)] for t in range(tp)]
-    return tp_groups, pp_groups
+def world_rank(tp_rank: int, cp_rank: int, pp_rank: int, tp: int, cp: int) -> int:
+    return (pp_rank * cp + cp_rank) * tp + tp_rank
+
+
+def driver_rank(tp: int, pp: int, cp: int = 1) -> int:
+    """The world rank whose step results the core reads: TP and CP rank 0 of the last stage."""
+    return world_rank(0, 0, pp - 1, tp, cp)
+
+
+def group_ranks(tp: int, pp: int, cp: int = 1) -> dict[str, list[list[int]]]:
+    """Every TP, CP and PP group as lists of world ranks, by kind."""
+    def rank(t, c, s):
+        return world_rank(t, c, s, tp, cp)
+
+    return {
+        "tp": [[rank(t, c, s) for t in range(tp)] for s in range(pp) for c in range(cp)],
+        "cp": [[rank(t, c, s) for c in range(cp)] for s in range(pp) for t in range(tp)],
+        "pp": [[rank(t, c, s) for s in range(pp)] for c in range(cp) for t in range(tp)],
+    }
 
 
 def init_parallel(rank: int, tp: int, pp: int, init_method: str, backend: str,
-                  timeout_s: float) -> None:
-    """Join the world (``tp * pp`` ranks) and build this rank's TP and PP groups.
+                  timeout_s: float, cp: int = 1) -> None:
+    """Join the world (``tp * cp * pp`` ranks) and build this rank's TP, CP and PP groups.
 
     ``timeout_s`` bounds every collective: a peer that hangs surfaces as an error on the
     others instead of a hang.
     """
-    global _TP, _PP
-    world = tp * pp
+    world = tp * cp * pp
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=timeout_s))
-    tp_groups, pp_groups = group_ranks(tp, pp)
     # every process must create every group, in the same order
-    for kind, groups in (("tp", tp_groups), ("pp", pp_groups)):
+    for kind, groups in group_ranks(tp, pp, cp).items():
         for ranks in groups:
             group = dist.new_group(ranks, backend=backend) if len(ranks) > 1 else None
             if rank in ranks:
-                coordinator = GroupCoordinator(ranks, rank, group)
-                if kind == "tp":
-                    _TP = coordinator
-                else:
-                    _PP = coordinator
+                _GROUPS[kind] = GroupCoordinator(ranks, rank, group)
 
 
 def destroy_parallel() -> None:
-    global _TP, _PP
-    _TP, _PP = GroupCoordinator.solo(), GroupCoordinator.solo()
+    for kind in _GROUPS:
+        _GROUPS[kind] = GroupCoordinator.solo()
     if dist.is_initialized():
         dist.destroy_process_group()
 

@@ -144,6 +144,9 @@ class EngineCore:
         streaming = params.streaming_kv or self.config.cache.streaming_kv
         if streaming is None:
             return params, cache_salt
+        if self.config.parallel.context_parallel_size > 1:
+            raise ValueError("streaming_kv (StreamingLLM) is not supported with context "
+                             "parallelism (--context-parallel-size > 1)")
         check_streaming_kv(self.arch, streaming)
         salt = f"{cache_salt or ''}\x00streaming-kv {streaming[0]},{streaming[1]}"
         return dataclasses.replace(params, streaming_kv=streaming), salt

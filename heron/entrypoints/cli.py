@@ -62,6 +62,7 @@ def _make_llm(args):
                distributed_executor_backend=args.distributed_executor_backend,
                tensor_parallel_size=args.tensor_parallel_size,
                pipeline_parallel_size=args.pipeline_parallel_size,
+               context_parallel_size=args.context_parallel_size,
                speculative_config=speculative_config(args), quantization=args.quantization,
                custom_ops=args.custom_ops, cpu_int8_dot=args.cpu_int8_dot,
                hf_overrides=args.hf_overrides, streaming_kv=args.streaming_kv)

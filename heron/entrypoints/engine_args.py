@@ -141,6 +141,9 @@ def _parallel_args(p: argparse.ArgumentParser, multi_node: bool) -> None:
                    help="ranks that split every layer (heads, MLP, vocabulary)")
     g.add_argument("-pp", "--pipeline-parallel-size", type=int, default=1,
                    help="pipeline stages that split the layers")
+    g.add_argument("-cp", "--context-parallel-size", type=int, default=1,
+                   help="ranks that split every request's KV cache by block (each attends "
+                        "over its share; the outputs merge exactly)")
     if not multi_node:
         return
     g.add_argument("--nnodes", type=int, default=1, help="nodes sharing the ranks")
@@ -164,6 +167,7 @@ def parallel_config(args):
     addr, port = envs.MASTER_ADDR, envs.MASTER_PORT
     return ParallelConfig(tensor_parallel_size=args.tensor_parallel_size,
                           pipeline_parallel_size=args.pipeline_parallel_size,
+                          context_parallel_size=args.context_parallel_size,
                           nnodes=getattr(args, "nnodes", 1),
                           node_rank=getattr(args, "node_rank", 0),
                           master_addr=getattr(args, "master_addr", None) or addr,

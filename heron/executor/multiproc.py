@@ -126,7 +126,7 @@ class MultiprocExecutor(Executor):
         failed = [m for m in infos.values() if isinstance(m, WorkerStartupFailed)]
         if failed:
             raise RuntimeError(f"a worker failed to start: {failed[0].message}")
-        driver = infos[self.world_size - config.parallel.tensor_parallel_size]  # see Worker
+        driver = infos[config.parallel.driver_rank]  # see Worker.is_driver
         self.driver_rank = driver.rank
         self.bytes_read = {rank: info.bytes_read for rank, info in infos.items()}
         return msgspec.structs.replace(driver, weight_bytes=sum(

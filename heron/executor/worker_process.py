@@ -99,11 +99,12 @@ class _StepLoop:
         return StepDone(msg.step_id, self._stats(), output)
 
     def _stats(self) -> RankStats:
+        from heron.attention.context_parallel import CP_STATS
         from heron.distributed.parallel_state import COMM
 
         return RankStats(self.rank, self.steps, self.busy_s, COMM.collective_s,
                          COMM.collective_bytes, COMM.collective_calls, COMM.p2p_s,
-                         COMM.p2p_bytes)
+                         COMM.p2p_bytes, CP_STATS.kv_tokens_stored)
 
 
 def serve(address: str, rank: int, init_method: str, parent_pid: int) -> None:

@@ -13,7 +13,7 @@ from heron.attention import ForwardContext, forward_context, get_attention_backe
 from heron.attention.metadata import AttentionMetadata
 from heron import envs
 from heron.config import SpeculativeConfig
-from heron.distributed import get_pp_group, get_tp_group
+from heron.distributed import get_cp_group, get_pp_group, get_tp_group
 from heron.distributed.pipeline import IntermediateTensors
 from heron.layers.rotary import RotaryEmbedding
 from heron.models.kv_cache_spec import kv_cache_groups
@@ -51,6 +51,11 @@ class ModelRunner:
     with the triton backend on CUDA unless ``enforce_eager``, for decode batches of up to
     ``max_num_seqs`` (at most 256) requests. With ``speculative`` (and its loaded ``draft``,
     None for prompt lookup) a proposer drafts tokens after each step.
+
+    Context parallelism (a CP group of N > 1 ranks): ``num_blocks`` counts the core's pool,
+    of which this rank stores the ``num_blocks / N`` blocks whose id is ``rank`` mod N
+    (``heron.attention.context_parallel``, whose backend replaces ``backend``). CP rank 0
+    samples and broadcasts the tokens to the group; no CPU layer stack, no graphs.
     """
 
     def __init__(self, model, num_blocks: int, block_size: int, dtype: torch.dtype,
@@ -61,14 +66,16 @@ class ModelRunner:
         self.model = model
         self.device = device
         self.block_size = block_size
-        self.backend = get_attention_backend(backend, device)
+        self._tp, self._pp, self._cp = get_tp_group(), get_pp_group(), get_cp_group()
+        cp = self._cp.world_size
+        enforce_eager = enforce_eager or cp > 1  # CP: no CPU layer stack, no decode graphs
+        self.backend = get_attention_backend(backend, device, self._cp)
         self.use_triton_ops = self.backend.name == "triton"
         # the CPU's captured-graph counterpart: decoder layers in one C++ call per step
         self.use_cpu_layer_stack = self.backend.name == "cpu" and not enforce_eager
         self.sampler = Sampler(seed, device)
         self.dtype = dtype
-        self._tp, self._pp = get_tp_group(), get_pp_group()
-        self._is_driver = self._tp.is_first and self._pp.is_last
+        self._is_driver = self._tp.is_first and self._cp.is_first and self._pp.is_last
         self.kv_groups = kv_cache_groups(arch)
         single = len(self.kv_groups) == 1
         if not single:
@@ -79,7 +86,7 @@ class ModelRunner:
                            "unchanged; fewer drafts may be accepted)")
         # layer -> its KV cache group (None: one group, every layer reads the step's metadata)
         self._layer_groups = None if single else self.kv_groups.group_of_layer(arch.num_layers)
-        self.num_blocks = num_blocks
+        self.num_blocks = num_blocks // cp  # this rank's pool (all of it without CP)
         self.kv_caches = self._allocate_kv_caches(model)
         # No position reaches max_model_len (which the worker fit to the KV capacity: a model
         # with sliding layers only, or StreamingLLM, holds any length); rotary tables are
@@ -100,9 +107,13 @@ class ModelRunner:
             self.enable_decode_graphs(max_num_seqs)
         self.proposer = None if speculative is None else \
             make_proposer(speculative, draft, self._draft_context())
-        # TP ranks keep the sampled tokens themselves (no pipeline): the driver broadcasts them
-        keeps = self._tp.world_size > 1 and self._pp.world_size == 1
-        self._plain = PlainSampling(model, self.sampler, self._tp if keeps else None)
+        # TP and CP ranks keep the sampled tokens themselves (no pipeline): the driver
+        # broadcasts them; CP ranks other than 0 do not sample
+        keeps = self._pp.world_size == 1
+        self._plain = PlainSampling(model, self.sampler,
+                                    self._tp if keeps and self._tp.world_size > 1 else None,
+                                    self._cp if keeps and cp > 1 else None,
+                                    samples=self._cp.is_first)
         self._verification = self._verification_strategy()
 
     def _allocate_kv_caches(self, model) -> list[torch.Tensor | None]:
@@ -277,7 +288,10 @@ class ModelRunner:
 
     def _prompt_logprobs(self, state: SequenceState, hidden, rows: list[int]):
         """Logprobs of prompt tokens start+1 .. start+len(rows), each given what precedes it
-        (on the driver; None on the other TP ranks, which compute their logit slices)."""
+        (on the driver; None on the other TP ranks, which compute their logit slices, and
+        on CP ranks other than 0, which skip them)."""
+        if not self._cp.is_first:
+            return None
         logits = self.model.compute_logits(hidden[rows])
         if logits is None:
             return None

@@ -10,7 +10,8 @@ import msgspec
 class RankStats(msgspec.Struct):
     """One rank's totals since it started: steps run, time inside them, and of that time the
     part spent in collectives (all-reduce, gather, broadcast) and in pipeline send / recv
-    (waiting for peers included), with the bytes this rank contributed to each."""
+    (waiting for peers included), with the bytes this rank contributed to each; with context
+    parallelism, the KV tokens it stored in its share of the pool (per KV cache group)."""
 
     rank: int
     steps: int = 0
@@ -20,6 +21,7 @@ class RankStats(msgspec.Struct):
     collective_calls: int = 0
     p2p_s: float = 0.0
     p2p_bytes: int = 0
+    kv_tokens_stored: int = 0
 
     @property
     def compute_s(self) -> float:

@@ -44,26 +44,33 @@ class StepRows:
 class PlainSampling:
     """One token per sampling sequence, from its last row. Every TP rank computes its slice
     of the logits; the driver samples and, when the TP ranks keep tokens themselves (no
-    pipeline: ``tp_broadcast`` is the TP group), broadcasts the tokens to them."""
+    pipeline: ``tp_broadcast`` is the TP group), broadcasts the tokens to them. With context
+    parallelism only CP rank 0 computes logits (``samples``) and, when the CP ranks keep
+    tokens (``cp_broadcast``: the CP group), broadcasts them on."""
 
-    def __init__(self, model, sampler: Sampler, tp_broadcast=None) -> None:
+    def __init__(self, model, sampler: Sampler, tp_broadcast=None, cp_broadcast=None,
+                 samples: bool = True) -> None:
         self.model, self.sampler, self.tp_broadcast = model, sampler, tp_broadcast
+        self.cp_broadcast, self.samples = cp_broadcast, samples
 
     def lay_out(self, step: StepRows) -> None:
         """Rows are laid out as the batch state built them."""
 
     def sample(self, hidden: torch.Tensor, step: StepRows) -> Sampled:
         samplers = step.samplers
-        logits = self.model.compute_logits(_rows(hidden, step.batch.sample_rows))
         token_ids, logprobs = None, {}
-        if logits is not None:  # the driver
-            out = self.sampler(logits, samplers)
-            token_ids = out.token_ids
-            logprobs = {s.req_id: [lp] for s, lp in zip(samplers, out.logprobs)
-                        if lp is not None}
-        if self.tp_broadcast is not None:
-            t = torch.tensor(token_ids or [0] * len(samplers), dtype=torch.int64)
-            token_ids = self.tp_broadcast.broadcast(t).tolist()
+        if self.samples:
+            logits = self.model.compute_logits(_rows(hidden, step.batch.sample_rows))
+            if logits is not None:  # the driver
+                out = self.sampler(logits, samplers)
+                token_ids = out.token_ids
+                logprobs = {s.req_id: [lp] for s, lp in zip(samplers, out.logprobs)
+                            if lp is not None}
+            if self.tp_broadcast is not None:
+                token_ids = _broadcast(self.tp_broadcast, token_ids, len(samplers),
+                                       hidden.device)
+        if self.cp_broadcast is not None:
+            token_ids = _broadcast(self.cp_broadcast, token_ids, len(samplers), hidden.device)
         if token_ids is None:
             return {}, logprobs
         return {s.req_id: [t] for s, t in zip(samplers, token_ids)}, logprobs
@@ -128,6 +135,13 @@ class TreeVerification:
             if cache is not None:
                 flat = cache.view(2, -1, *cache.shape[3:])  # (2, slots, KVH, D)
                 flat[:, slot_dst[group]] = flat[:, slot_src[group]]
+
+
+def _broadcast(group, token_ids: list[int] | None, n: int, device: torch.device) -> list[int]:
+    """The group's first member's ``token_ids`` (n of them) on every member (a tensor on the
+    model's device: NCCL moves CUDA tensors only)."""
+    t = torch.tensor(token_ids or [0] * n, dtype=torch.int64, device=device)
+    return group.broadcast(t).tolist()
 
 
 def _by_request(samplers: list[SequenceState], token_ids: list[list[int]],

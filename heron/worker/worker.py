@@ -1,6 +1,7 @@
-"""A worker: one rank. Joins the tensor/pipeline-parallel groups, loads its shard of the model
-on its device, sizes the KV cache from the memory left (every rank agrees on the smallest
-pool), and runs step messages. It knows nothing of requests beyond what
+"""A worker: one rank. Joins the tensor/context/pipeline-parallel groups, loads its shard of the
+model on its device, sizes the KV cache from the memory left (every rank agrees on the
+smallest pool; with context parallelism of N each rank stores 1/N of the pool the core sees),
+and runs step messages. It knows nothing of requests beyond what
 ``step.SchedulerOutput`` tells it."""
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from heron.loader.weights import (build_model, materialize_weights, model_weight
 from heron.quant.base import use_int8_activations
 from heron.quant.config import resolve_quantization
 from heron.models import ModelArchConfig
-from heron.distributed import get_pp_group, get_tp_group, init_parallel
+from heron.distributed import get_cp_group, get_pp_group, get_tp_group, init_parallel
 from heron.layers import cpu_gemm
 from heron.layers.dispatch import apply_custom_ops
 from heron.speculative.factory import load_draft
@@ -74,7 +75,7 @@ class Worker:
         if par.world_size > 1:
             init_parallel(rank, par.tensor_parallel_size, par.pipeline_parallel_size,
                           init_method, "nccl" if self.device.type == "cuda" else "gloo",
-                          par.collective_timeout_s)
+                          par.collective_timeout_s, par.context_parallel_size)
         if self.device.type == "cpu":
             _build_cpu_kernels()
             _bind_threads(rank % par.ranks_per_node, par.ranks_per_node)
@@ -99,15 +100,18 @@ class Worker:
                                       max_model_len=self.max_model_len,
                                       speculative=spec, draft=draft)
         self.num_kv_blocks = blocks
-        logger.info("heron worker %d/%d ready (tp rank %d, pp stage %d, layers %d-%d): %d KV "
-                    "blocks x %d tokens on %s in %.1fs", rank, par.world_size,
-                    get_tp_group().rank_in_group, get_pp_group().rank_in_group, layers[0],
-                    layers[-1], blocks, config.cache.block_size, self.device,
-                    time.monotonic() - started)
+        logger.info("heron worker %d/%d ready (tp rank %d, cp rank %d, pp stage %d, layers "
+                    "%d-%d): %d KV blocks x %d tokens on %s in %.1fs", rank, par.world_size,
+                    get_tp_group().rank_in_group, get_cp_group().rank_in_group,
+                    get_pp_group().rank_in_group, layers[0], layers[-1],
+                    blocks // par.context_parallel_size, config.cache.block_size,
+                    self.device, time.monotonic() - started)
 
     def _size_kv_cache(self, config: EngineConfig, model, arch, dtype, draft) -> int:
-        """KV blocks from the memory left (the smallest over the ranks); sets
-        ``max_model_len`` to what they hold."""
+        """The core's pool in KV blocks: from the memory left (the smallest over the ranks),
+        times the context-parallel size N (each CP rank stores 1/N of it; --num-kv-blocks
+        counts the core's pool, rounded up to a multiple of N); sets ``max_model_len`` to what
+        they hold."""
         layers, kv_heads, head_dim = model.kv_cache_layout()
         wanted = config.max_model_len or arch.max_position_embeddings
         groups, block_size = kv_cache_groups(arch), config.cache.block_size
@@ -118,13 +122,20 @@ class Worker:
         streaming = config.cache.streaming_kv
         useful = config.scheduler.max_num_seqs * groups.blocks_for(wanted, block_size, chunk,
                                                                    streaming)
+        cp = config.parallel.context_parallel_size
         with startup_phase(logger, "KV cache sizing") as phase:
-            blocks = _agree_min(num_kv_blocks(per_block, config.cache, dtype, self.device,
-                                              useful * block_size, _draft_kv_layout(draft)),
-                                self.device)
+            local = _agree_min(num_kv_blocks(per_block, config.cache, dtype, self.device,
+                                             -(-useful // cp) * block_size,
+                                             _draft_kv_layout(draft)),
+                               self.device)
+            if config.cache.num_blocks is not None:
+                local = -(-config.cache.num_blocks // cp)
+            blocks = local * cp
             capacity = groups.max_tokens_in(blocks, block_size, chunk, wanted, streaming)
             self.max_model_len = fit_max_model_len(wanted, config.max_model_len, capacity)
             phase.detail = f"{blocks} blocks x {block_size} tokens"
+            if cp > 1:
+                phase.detail += f" ({local} on each of {cp} context-parallel ranks)"
             if len(groups) > 1 or groups[0].is_sliding:
                 phase.detail += f", {_describe(groups)}"
         return blocks
@@ -154,8 +165,8 @@ class Worker:
 
     @property
     def is_driver(self) -> bool:
-        """The rank whose step results the core reads: TP rank 0 of the last stage."""
-        return get_tp_group().is_first and get_pp_group().is_last
+        """The rank whose step results the core reads: TP and CP rank 0 of the last stage."""
+        return get_tp_group().is_first and get_cp_group().is_first and get_pp_group().is_last
 
     def info(self) -> WorkerInfo:
         return WorkerInfo(self.num_kv_blocks, self.max_model_len, self.runner.backend.name,

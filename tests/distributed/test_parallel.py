@@ -1,7 +1,7 @@
-"""Tensor and pipeline parallelism over gloo on 127.0.0.1: TP=2, PP=2 and TP=2 x PP=2 give
-the single process's greedy tokens and logprobs (within 1e-4) on every tiny architecture,
-with KV heads split (2) and replicated (1), under chunked prefill, preemption and prefix
-hits; each rank reads only its shards of a safetensors checkpoint."""
+"""Tensor, pipeline and context parallelism over gloo on 127.0.0.1: TP=2, PP=2, TP=2 x PP=2
+and CP=2 give the single process's greedy tokens and logprobs (within 1e-4) on every tiny
+architecture, with KV heads split (2) and replicated (1), under chunked prefill, preemption
+and prefix hits; each rank reads only its shards of a safetensors checkpoint."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ MAX_NEW = 12
 ENGINE = dict(max_num_batched_tokens=16, block_size=4, num_kv_blocks=24, max_num_seqs=4,
               max_model_len=96)
 ARCHS = {"llama": 2, "mistral": 1, "qwen2": 1, "qwen3": 2}  # arch -> KV heads
-LAYOUTS = {"tp2": (2, 1), "pp2": (1, 2), "tp2xpp2": (2, 2)}
+LAYOUTS = {"tp2": (2, 1, 1), "pp2": (1, 2, 1), "tp2xpp2": (2, 2, 1), "cp2": (1, 1, 2)}
 
 
 def _prompts(seed: int) -> list[list[int]]:
@@ -83,19 +83,21 @@ def _assert_same(reference, outputs) -> None:
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_parallel_equals_single_process(single, layout):
     path, prompts, reference = single
-    tp, pp = LAYOUTS[layout]
-    outputs, stats = _run(path, prompts, tensor_parallel_size=tp, pipeline_parallel_size=pp)
+    tp, pp, cp = LAYOUTS[layout]
+    outputs, stats = _run(path, prompts, tensor_parallel_size=tp, pipeline_parallel_size=pp,
+                          context_parallel_size=cp)
     assert stats.scheduler.num_preemptions > 0 and stats.prefix_cache.hits > 0, stats
     _assert_same(reference, outputs)
-    _assert_rank_stats(stats.ranks, tp, pp)
+    _assert_rank_stats(stats.ranks, tp, pp, cp)
 
 
-def _assert_rank_stats(ranks, tp: int, pp: int) -> None:
+def _assert_rank_stats(ranks, tp: int, pp: int, cp: int) -> None:
     """Every rank reports its steps, busy time, and the communication its layout needs."""
-    assert [r.rank for r in ranks] == list(range(tp * pp))
+    assert [r.rank for r in ranks] == list(range(tp * pp * cp))
     for r in ranks:
         assert r.steps > 0 and r.busy_s > 0, r
-        assert (r.collective_calls > 0 and r.collective_s > 0) == (tp > 1), r
+        assert (r.collective_calls > 0 and r.collective_s > 0) == (tp * cp > 1), r
+        assert (r.kv_tokens_stored > 0) == (cp > 1), r
         assert (r.p2p_bytes > 0) == (pp > 1), r
 
 
