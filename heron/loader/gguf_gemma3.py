@@ -19,17 +19,9 @@ from typing import Any, Callable
 
 import torch
 
+# llama.cpp's per-block names where Gemma 3 differs from the Llama family's
+# (gguf_loader._BLOCK_NAMES): its ffn_norm is the pre-feedforward norm, and it has two more
 BLOCK_NAMES = {
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-    "attn_norm": "input_layernorm",
     "post_attention_norm": "post_attention_layernorm",
     "ffn_norm": "pre_feedforward_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",

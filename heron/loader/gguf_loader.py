@@ -253,7 +253,8 @@ def iter_gguf_weights(path: str | Path, config: dict, keep_quantized: bool = Fal
     reader = _open(path)  # memory-mapped
     arch = _gguf_arch(reader)
     permute = arch in _PERMUTED_ARCHS
-    block_names = gguf_gemma3.BLOCK_NAMES if arch == "gemma3" else _BLOCK_NAMES
+    block_names = {**_BLOCK_NAMES, **gguf_gemma3.BLOCK_NAMES} if arch == "gemma3" \
+        else _BLOCK_NAMES
     for t in reader.tensors:
         if t.name in _SKIPPED_TENSORS:
             continue

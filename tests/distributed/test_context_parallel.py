@@ -10,7 +10,7 @@ import random
 
 import pytest
 
-from hf_reference import make_tiny_model
+from hf_reference import assert_same_outputs, make_tiny_model
 from heron import LLM, SamplingParams
 from heron.config import CacheConfig, EngineConfig, ParallelConfig, SpeculativeConfig
 
@@ -44,27 +44,6 @@ def _run(path, prompts, **kwargs):
         llm.engine.shutdown()
 
 
-def _assert_close(reference, got) -> None:
-    if reference is None:
-        assert got is None
-        return
-    assert len(got) == len(reference)
-    for ref_lps, lps in zip(reference, got):
-        if ref_lps is None:
-            assert lps is None
-            continue
-        assert ref_lps.keys() == lps.keys()
-        for token, (ref_lp, _) in ref_lps.items():
-            assert lps[token][0] == pytest.approx(ref_lp, abs=1e-5)
-
-
-def _assert_same(reference, outputs) -> None:
-    for ref, out in zip(reference, outputs, strict=True):
-        assert out.outputs[0].token_ids == ref.outputs[0].token_ids
-        _assert_close(ref.outputs[0].logprobs, out.outputs[0].logprobs)
-        _assert_close(ref.prompt_logprobs, out.prompt_logprobs)
-
-
 def _kv_tokens(prompts) -> int:
     """KV tokens one rank writes for the whole run (the last sampled token's is never
     written; no preemption and no prefix hits here)."""
@@ -83,7 +62,7 @@ def llama(tmp_path_factory):
 def test_context_parallel_equals_one_rank(llama, cp):
     path, prompts, reference = llama
     outputs, stats = _run(path, prompts, context_parallel_size=cp)
-    _assert_same(reference, outputs)
+    assert_same_outputs(reference, outputs, 1e-5)
     stored, total = [r.kv_tokens_stored for r in stats.ranks], _kv_tokens(prompts)
     assert len(stored) == cp and sum(stored) == total
     assert all(total / (2 * cp) < n < 2 * total / cp for n in stored), stored  # about 1/cp
@@ -94,7 +73,7 @@ def test_context_parallel_equals_one_rank(llama, cp):
 def test_context_and_pipeline_parallel_equal_one_rank(llama):
     path, prompts, reference = llama
     outputs, stats = _run(path, prompts, context_parallel_size=2, pipeline_parallel_size=2)
-    _assert_same(reference, outputs)
+    assert_same_outputs(reference, outputs, 1e-5)
     assert [r.rank for r in stats.ranks] == [0, 1, 2, 3]
     # ranks 0, 1: stage 0 (CP ranks 0, 1); ranks 2, 3: stage 1 - each stage stores the run's
     # KV once, split over its CP ranks; pipeline traffic on every rank
@@ -107,7 +86,7 @@ def test_tensor_and_context_parallel_equal_one_rank(llama):
     """TP 2 x CP 2: each CP group links the ranks holding the same KV heads."""
     path, prompts, reference = llama
     outputs, stats = _run(path, prompts, tensor_parallel_size=2, context_parallel_size=2)
-    _assert_same(reference, outputs)
+    assert_same_outputs(reference, outputs, 1e-5)
     stored = [r.kv_tokens_stored for r in stats.ranks]  # ranks 0, 1: CP rank 0; 2, 3: 1
     assert stored[0] == stored[1] and stored[2] == stored[3]
     assert stored[0] + stored[2] == _kv_tokens(prompts)
@@ -139,7 +118,7 @@ def test_sliding_window_groups_equal_one_rank(tmp_path):
     prompts = _prompts(11)
     reference, _ = _run(tmp_path, prompts)
     outputs, _ = _run(tmp_path, prompts, context_parallel_size=2)
-    _assert_same(reference, outputs)
+    assert_same_outputs(reference, outputs, 1e-5)
 
 
 @pytest.mark.parametrize("kwargs,message", [

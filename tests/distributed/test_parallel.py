@@ -10,7 +10,7 @@ import random
 
 import pytest
 
-from hf_reference import make_tiny_model
+from hf_reference import assert_same_outputs, make_tiny_model
 from heron import LLM, SamplingParams
 from heron.loader.lazy_tensor import LazyTensor
 
@@ -58,28 +58,6 @@ def single(request, tmp_path_factory):
     return path, prompts, outputs
 
 
-def _assert_close(reference: list, got: list) -> None:
-    """Per position {token: (logprob, rank)}: the same tokens, logprobs within 1e-4."""
-    if reference is None:
-        assert got is None
-        return
-    assert len(got) == len(reference)
-    for ref_lps, lps in zip(reference, got):
-        if ref_lps is None:
-            assert lps is None
-            continue
-        assert ref_lps.keys() == lps.keys()
-        for token, (ref_lp, _) in ref_lps.items():
-            assert lps[token][0] == pytest.approx(ref_lp, abs=1e-4)
-
-
-def _assert_same(reference, outputs) -> None:
-    for ref, out in zip(reference, outputs):
-        assert out.outputs[0].token_ids == ref.outputs[0].token_ids
-        _assert_close(ref.outputs[0].logprobs, out.outputs[0].logprobs)
-        _assert_close(ref.prompt_logprobs, out.prompt_logprobs)
-
-
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_parallel_equals_single_process(single, layout):
     path, prompts, reference = single
@@ -87,7 +65,7 @@ def test_parallel_equals_single_process(single, layout):
     outputs, stats = _run(path, prompts, tensor_parallel_size=tp, pipeline_parallel_size=pp,
                           context_parallel_size=cp)
     assert stats.scheduler.num_preemptions > 0 and stats.prefix_cache.hits > 0, stats
-    _assert_same(reference, outputs)
+    assert_same_outputs(reference, outputs, 1e-4)
     _assert_rank_stats(stats.ranks, tp, pp, cp)
 
 

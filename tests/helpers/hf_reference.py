@@ -78,3 +78,30 @@ def assert_matches_hf(outputs, refs, atol: float = 1e-4) -> None:
         for step, ref in enumerate(ref_logprobs):
             for token, lp in ref.items():
                 assert got.logprobs[step][token][0] == pytest.approx(lp, abs=atol)
+
+
+def assert_same_outputs(reference, outputs, atol: float) -> None:
+    """Two heron runs of the same prompts (one rank against several, say): the same tokens,
+    and per position the same top-n entries with logprobs within ``atol`` (sampled and
+    prompt logprobs alike)."""
+    for ref, out in zip(reference, outputs, strict=True):
+        assert out.outputs[0].token_ids == ref.outputs[0].token_ids
+        _assert_logprobs_close(ref.outputs[0].logprobs, out.outputs[0].logprobs, atol)
+        _assert_logprobs_close(ref.prompt_logprobs, out.prompt_logprobs, atol)
+
+
+def _assert_logprobs_close(reference, got, atol: float) -> None:
+    """Per position {token: (logprob, rank)} (or None)."""
+    import pytest
+
+    if reference is None:
+        assert got is None
+        return
+    assert len(got) == len(reference)
+    for ref_lps, lps in zip(reference, got):
+        if ref_lps is None:
+            assert lps is None
+            continue
+        assert ref_lps.keys() == lps.keys()
+        for token, (ref_lp, _) in ref_lps.items():
+            assert lps[token][0] == pytest.approx(ref_lp, abs=atol)
