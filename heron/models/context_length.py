@@ -21,7 +21,7 @@ def check_max_model_len(arch: ModelArchConfig, max_model_len: int | None,
     cover: ``max_position_embeddings``, or the original length x factor of its rope scaling
     (linear, dynamic, yarn, longrope, llama3). None (the model's own length) always fits, and
     so does any length under StreamingLLM (``streaming_kv``: its queries see sinks + window
-    at most, at in-cache distances)."""
+    at most, at in-cache distances) or when every layer slides over a window it covers."""
     native = arch.max_position_embeddings
     covered = max_context(arch.rope_scaling, native)
     if max_model_len is None or max_model_len <= covered:
@@ -29,6 +29,9 @@ def check_max_model_len(arch: ModelArchConfig, max_model_len: int | None,
     if streaming_kv is not None:
         check_streaming_kv(arch, streaming_kv)
         return
+    windows = {arch.sliding_window_of(layer) for layer in range(arch.num_layers)}
+    if None not in windows and max(windows) <= covered:
+        return  # every layer slides: a query sees its window only, at true distances
     kind = rope_type_of(arch.rope_scaling)
     if kind == "default":
         why = f"max_position_embeddings is {native} and the model has no rope scaling"

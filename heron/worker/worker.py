@@ -41,7 +41,9 @@ def fit_max_model_len(wanted: int, configured: int | None, capacity: int) -> int
         return wanted
     if configured is not None:
         raise ValueError(f"max_model_len {wanted} exceeds the KV cache capacity of {capacity} "
-                         f"tokens; lower it or give the cache more memory")
+                         f"tokens; lower it or give the cache more memory (a sliding-window "
+                         f"or StreamingLLM request also holds one step's chunk: a smaller "
+                         f"--max-num-batched-tokens needs fewer blocks)")
     logger.warning("max_model_len lowered from %d to the KV capacity %d", wanted, capacity)
     return capacity
 

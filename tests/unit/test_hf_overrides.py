@@ -106,6 +106,18 @@ def test_max_model_len_beyond_the_native_length():
         check_max_model_len(longrope, 513)
 
 
+def test_any_length_when_queries_see_a_covered_window_only():
+    """Every layer sliding over a window the positions cover, or StreamingLLM: a query sees
+    at most that many positions, so the context is not bounded by the trained length."""
+    check_max_model_len(_arch(sliding_window=32), 100_000)
+    check_max_model_len(_arch(), 100_000, streaming_kv=(4, 32))
+    with pytest.raises(ValueError, match="exceeds the model's context"):
+        check_max_model_len(_arch(sliding_window=32, layer_types=["full_attention",
+                                                                  "sliding_attention"]), 200)
+    with pytest.raises(ValueError, match="streaming_kv keeps"):
+        check_max_model_len(_arch(), 200, streaming_kv=(4, 64))
+
+
 def test_prefix_caching_off_for_length_dependent_rope():
     assert prefix_caching_allowed(_arch(rope_scaling=YARN), True)
     assert not prefix_caching_allowed(_arch(rope_scaling={"rope_type": "dynamic",
