@@ -23,12 +23,12 @@ from torch import nn
 from heron.distributed import get_pp_group
 from heron.distributed.pipeline import IntermediateTensors, MissingLayer, stage_layers
 from heron.layers.activation import gelu_tanh_and_mul
-from heron.layers.attention import attention
 from heron.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from heron.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from heron.layers.linear import RowParallelLinear
 from heron.layers.norm import GemmaRMSNorm
-from heron.layers.rotary import RotaryEmbedding, apply_rotary, sink_rope
+from heron.layers.rotary import RotaryEmbedding, sink_rope
 from heron.models.config import ModelArchConfig, rope_of, rope_parameters_by_layer_type
+from heron.models.llama import MLP, Attention
 
 _GELU_TANH = ("gelu_pytorch_tanh", "gelu_tanh", "gelu_new", "gelu_fast")  # one formula
 
@@ -67,43 +67,23 @@ def check_gemma3_config(cfg: ModelArchConfig) -> None:
                          f"(supported: {', '.join(_GELU_TANH)})")
 
 
-class Gemma3Attention(nn.Module):
+class Gemma3Attention(Attention):
+    """Llama's attention (its forward: projections, q/k norms, rotary, the attention call)
+    with Gemma's q/k norms, its ``query_pre_attn_scalar`` scale and the o_proj bias of the
+    config; ``rope_kind`` names the layer's RoPE (local or global)."""
+
     def __init__(self, cfg: ModelArchConfig, layer_idx: int):
-        super().__init__()
-        self.layer_idx = layer_idx
-        self.head_dim = cfg.head_dim
+        super().__init__(cfg, layer_idx, cfg.attention_bias, qk_norm=False)
         self.scale = float(cfg.hf_config.get("query_pre_attn_scalar", cfg.head_dim)) ** -0.5
-        self.sliding_window = cfg.sliding_window_of(layer_idx)
         self.rope_kind = "full_attention" if self.sliding_window is None else "sliding_attention"
-        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_heads,
-                                          cfg.num_kv_heads, cfg.attention_bias)
-        # this rank's heads (all of them without tensor parallelism)
-        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
-        self.o_proj = RowParallelLinear(cfg.q_size, cfg.hidden_size, bias=cfg.attention_bias)
+        if cfg.attention_bias:
+            self.o_proj = RowParallelLinear(cfg.q_size, cfg.hidden_size, bias=True)
         self.q_norm = GemmaRMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.k_norm = GemmaRMSNorm(cfg.head_dim, cfg.rms_norm_eps)
 
-    def forward(self, hidden: torch.Tensor, ropes: dict) -> torch.Tensor:
-        qkv = self.qkv_proj(hidden).view(-1, self.num_heads + 2 * self.num_kv_heads,
-                                         self.head_dim)  # (T, H + 2 * KVH, D)
-        q, k, v = qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
-        q_raw = self.q_norm(q)
-        qk = torch.cat([q_raw, self.k_norm(k)], dim=1)  # (T, H + KVH, D)
-        qk = apply_rotary(qk, *ropes[self.rope_kind])  # q and k heads rotated together
-        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
-        # StreamingLLM (global layers only): q rotated at the cache position, for the sinks
-        rope_sink = ropes.get("sink") if self.sliding_window is None else None
-        q_sink = None if rope_sink is None else apply_rotary(q_raw, *rope_sink)
-        out = attention(q, k, v, self.layer_idx, self.scale, self.sliding_window, q_sink)
-        return self.o_proj(out.reshape(-1, self.num_heads * self.head_dim))
 
-
-class Gemma3MLP(nn.Module):
-    def __init__(self, cfg: ModelArchConfig):
-        super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size,
-                                                       [cfg.intermediate_size] * 2)
-        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size)
+class Gemma3MLP(MLP):
+    """Llama's gated MLP with GELU-tanh in place of SiLU."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(gelu_tanh_and_mul(self.gate_up_proj(x)))
@@ -127,7 +107,10 @@ class Gemma3DecoderLayer(nn.Module):
             residual, hidden = hidden, self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.post_attention_layernorm(self.self_attn(hidden, ropes))
+        attn = self.self_attn
+        # StreamingLLM's sink queries (global layers only; local ones keep their window)
+        rope_sink = ropes["sink"] if attn.sliding_window is None else None
+        hidden = self.post_attention_layernorm(attn(hidden, ropes[attn.rope_kind], rope_sink))
         hidden, residual = self.pre_feedforward_layernorm(hidden, residual)
         return self.post_feedforward_layernorm(self.mlp(hidden)), residual
 
