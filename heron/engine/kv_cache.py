@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from heron.engine.prefix_cache import HOLLOW, CacheNode, PrefixCache, chain_hash
 from heron.engine.request import BlockTable, Request
-from heron.models.kv_cache_spec import KVCacheGroup, KVCacheGroups
+from heron.models.kv_cache_spec import KVCacheGroup, KVCacheGroups, first_block_in_window
 
 # one full-attention group (its layers are not the manager's concern)
 UNIFORM = KVCacheGroups((KVCacheGroup(()),))
@@ -193,7 +193,7 @@ class KVCacheManager:
         """Whether a query at ``position`` (or later) of ``request`` reads block ``index``."""
         head, window = self.retention(group, request)
         return window is None or index < head or \
-            index >= max(0, position - window + 1) // self.block_size
+            index >= first_block_in_window(position, window, self.block_size)
 
     def record_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
         """Count an admission's prefix-cache query and hit (tokens), for the hit rate."""
@@ -324,7 +324,7 @@ class KVCacheManager:
             if window is None:
                 continue
             table.head = head
-            first = max(0, request.num_computed_tokens - window + 1) // self.block_size
+            first = first_block_in_window(request.num_computed_tokens, window, self.block_size)
             end = min(first, len(table.block_ids))
             for i in range(head + table.num_released, end):
                 self._release(self._tree(g), table.block_ids[i])

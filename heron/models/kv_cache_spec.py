@@ -23,6 +23,12 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def first_block_in_window(position: int, window: int, block_size: int) -> int:
+    """The first block a query at ``position`` (or any later one) can attend to under a
+    window of ``window`` positions: a query at p sees keys at p - window + 1 .. p."""
+    return max(0, position - window + 1) // block_size
+
+
 @dataclass(frozen=True)
 class KVCacheGroup:
     """Layers that share a block table; ``sliding_window`` None means full attention."""
@@ -33,13 +39,6 @@ class KVCacheGroup:
     @property
     def is_sliding(self) -> bool:
         return self.sliding_window is not None
-
-    def first_needed_block(self, position: int, block_size: int) -> int:
-        """The first block a query at ``position`` (or any later one) can attend to: a
-        query at p sees keys at p - window + 1 .. p."""
-        if self.sliding_window is None:
-            return 0
-        return max(0, position - self.sliding_window + 1) // block_size
 
 
 @dataclass(frozen=True)
@@ -74,11 +73,6 @@ class KVCacheGroups:
     def group_size(self) -> int:
         """Layers per pool block (the largest group; a shorter last group leaves slots unused)."""
         return max(len(g.layers) for g in self.groups)
-
-    @property
-    def is_uniform(self) -> bool:
-        """One full-attention group: the plain layout (one table, one tensor per layer)."""
-        return len(self.groups) == 1 and not self.groups[0].is_sliding
 
     @property
     def has_full(self) -> bool:

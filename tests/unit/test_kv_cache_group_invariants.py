@@ -14,7 +14,7 @@ from heron.config import SchedulerConfig
 from heron.engine.kv_cache import KVCacheManager
 from heron.engine.request import Request, RequestStatus
 from heron.engine.scheduler import Scheduler
-from heron.models.kv_cache_spec import KVCacheGroups, cdiv
+from heron.models.kv_cache_spec import KVCacheGroups, cdiv, first_block_in_window
 from heron.sampling_params import SamplingParams
 from scheduler_steps import complete, schedule
 
@@ -25,14 +25,15 @@ def test_gemma3_layers_form_one_full_and_five_sliding_groups_of_three():
     assert [g.sliding_window for g in groups] == [None] + [512] * 5
     assert groups[0].layers == (5, 11, 17)
     assert groups[1].layers == (0, 1, 2) and groups[5].layers == (14, 15, 16)
-    assert groups.group_size == 3 and groups.has_full and not groups.is_uniform
+    assert groups.group_size == 3 and groups.has_full
     slots = groups.slot_of_layer(18)
     assert {slots[layer] for layer in groups[0].layers} == {0, 1, 2}
     assert groups.group_of_layer(18)[11] == 0 and groups.group_of_layer(18)[12] == 4
 
 
 def test_alike_layers_form_one_group():
-    assert KVCacheGroups.of([None] * 4).is_uniform
+    alike = KVCacheGroups.of([None] * 4)
+    assert len(alike) == 1 and alike.has_full and alike[0].layers == (0, 1, 2, 3)
     sliding = KVCacheGroups.of([24] * 4)
     assert len(sliding) == 1 and sliding[0].is_sliding and not sliding.has_full
 
@@ -118,7 +119,7 @@ class GroupedSchedulerMachine(RuleBasedStateMachine):
                 cdiv(request.num_computed_tokens, self.bs)
             assert full.num_released == 0
             # what the next query still reads is held
-            first = self.groups[1].first_needed_block(request.num_computed_tokens, self.bs)
+            first = first_block_in_window(request.num_computed_tokens, window, self.bs)
             assert sliding.num_released <= first
             assert len(sliding.owned()) <= cdiv(window - 1 + budget, self.bs) + 1
         for request in self.sched.waiting:
