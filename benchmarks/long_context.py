@@ -23,9 +23,9 @@ Parts (``--parts``, comma-separated; every one but ``cp`` by default):
   llamacpp   llama.cpp's llama-server (``.venv/peers/llama``) on the same GGUF with a small
              ``--ctx-size`` and ``--context-shift`` vs without: generating past the context,
              tokens/s and whether it keeps going; heron's StreamingLLM on the same file beside.
-  cp         HOOK (context parallelism, built separately): prefill time at 1, 2, 4 ranks
-             (``--parts cp``; not in the default run). Skipped while ``LLM`` does not accept
-             ``context_parallel_size``.
+  cp         context parallelism: prefill time of one ``--cp-len`` prompt at 1, 2, 4 ranks,
+             with each rank's communication time (``--parts cp``; not in the default run:
+             its ranks share this machine's cores).
 
 Models: SmolLM2-135M-Instruct (the embedded Q4_1 GGUF, ``LLM(None)``, trained to 8,192) and
 Gemma 3 270M (``find_gemma3_270m_gguf()``, 18 layers, 15 local with window 512, trained to
@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import inspect
 import json
 import math
 import os
@@ -58,7 +57,7 @@ from heron.bench.table import fmt, format_table
 
 RESULTS = Path("benchmarks/results")
 PARTS = ("ppl", "memory", "recompute", "budget", "llamacpp", "cp")
-# the cp hook is opt-in: N ranks on this 2-core machine oversubscribe it
+# cp is opt-in: N ranks on a 2-core machine oversubscribe it
 DEFAULT_PARTS = PARTS[:-1]
 SINKS = 4
 
@@ -460,12 +459,16 @@ def part_llamacpp(engines: Engines, args) -> dict:
     return out
 
 
-# ---- part 6: HOOK for context parallelism -----------------------------------------------
+# ---- part 6: context parallelism -------------------------------------------------------
+def _rank_totals(llm: LLM) -> list:
+    return list(llm.engine.stats().ranks or [])
+
+
 def part_cp(engines: Engines, args) -> dict:
-    """CP prefill time at 1, 2, 4 ranks. HOOK: runs once ``LLM`` accepts
-    ``context_parallel_size`` (context parallelism is being built separately)."""
-    if "context_parallel_size" not in inspect.signature(LLM.__init__).parameters:
-        return {"skipped": "LLM does not accept context_parallel_size (yet)"}
+    """Prefill time of one long prompt at 1, 2, 4 CP ranks, with each rank's time in
+    communication (the ring's point-to-point K/V passes and the collectives) over that
+    prefill. On this 2-core machine the ranks share the cores: 2 ranks get one core each,
+    4 ranks oversubscribe them."""
     rows = []
     for ranks in args.cp_ranks:
         engines.close()
@@ -474,13 +477,21 @@ def part_cp(engines: Engines, args) -> dict:
                               max_model_len=args.cp_len + 16)
             ids = text_ids(llm, "smollm2", args.cp_len)
             run_one(llm, ids[:64], greedy(1))  # warm
+            before = _rank_totals(llm)
             r = run_one(llm, ids, greedy(1))
-            rows.append({"ranks": ranks, "tokens": args.cp_len, "prefill_s": r["prefill_s"],
-                         "tok_s": args.cp_len / r["prefill_s"]})
-        except Exception as e:  # noqa: BLE001 - a hook: record why, keep the rest of the run
+            after = _rank_totals(llm)
+            row = {"ranks": ranks, "tokens": args.cp_len, "prefill_s": r["prefill_s"],
+                   "tok_s": args.cp_len / r["prefill_s"]}
+            if after:
+                row["comm_s"] = [round(a.collective_s + a.p2p_s - b.collective_s - b.p2p_s, 3)
+                                 for a, b in zip(after, before)]
+                row["split_prefill_tokens"] = [a.split_prefill_tokens - b.split_prefill_tokens
+                                               for a, b in zip(after, before)]
+            rows.append(row)
+        except Exception as e:  # noqa: BLE001 - record why, keep the rest of the run
             rows.append({"ranks": ranks, "error": f"{type(e).__name__}: {e}"[:300]})
     engines.close()
-    return {"rows": rows}
+    return {"rows": rows, "cores": os.cpu_count()}
 
 
 # ---- report -----------------------------------------------------------------------------
@@ -551,9 +562,11 @@ def tables(record: dict) -> list[tuple[str, list[str], list[list]]]:
                     f"context", head, body))
     cp = record.get("cp") or {}
     if cp.get("rows"):
-        out.append(("Context-parallel prefill (hook)", ["ranks", "tokens", "prefill s",
-                                                        "tok/s"],
-                    [[r["ranks"], r.get("tokens"), r.get("prefill_s"), r.get("tok_s")]
+        out.append((f"Context-parallel prefill on {cp.get('cores')} cores",
+                    ["ranks", "tokens", "prefill s", "tok/s", "comm s per rank",
+                     "prompt tokens per rank"],
+                    [[r["ranks"], r.get("tokens"), r.get("prefill_s"), r.get("tok_s"),
+                      r.get("comm_s", r.get("error")), r.get("split_prefill_tokens")]
                      for r in cp["rows"]]))
     return out
 
@@ -569,8 +582,6 @@ def markdown(record: dict) -> str:
                   "|" + "---|" * len(head)]
         lines += ["| " + " | ".join(fmt(c) for c in row) + " |" for row in body]
         lines.append("")
-    if (record.get("cp") or {}).get("skipped"):
-        lines += [f"Context-parallel prefill (hook): skipped, {record['cp']['skipped']}.", ""]
     for key, err in (record.get("errors") or {}).items():
         lines += [f"**{key} failed**: `{err}`", ""]
     lines += ["Plots: " + ", ".join(f"`{Path(p).name}`" for p in record.get("plots", [])), ""]

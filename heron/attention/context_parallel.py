@@ -8,13 +8,18 @@ step and KV cache group (``local_plan``, cached in ``md.backend_cache``). A toke
 not local is not written here (its K/V are written by the rank that owns the block); a block
 of a table that is not local is not read here.
 
-Attention. Every rank runs every query of the step (the rest of the model is replicated).
-Over its local keys a rank computes, per query and head, the softmax-normalised output
+Attention, in steps whose rows are not split (decode steps, short prefills): every rank
+runs every query of the step (the rest of the model is replicated). Over its local keys a
+rank computes, per query and head, the softmax-normalised output
 ``o_r`` and the log-sum-exp ``lse_r`` of its scaled scores (``-inf``, ``o_r = 0`` when none of
 its keys is visible to the query). The ranks all-gather ``(o_r, lse_r)`` over the CP group
 (one collective per layer) and every rank merges them in rank order, so all ranks hold the
 same bits: ``lse = logsumexp_r lse_r``, ``o = sum_r exp(lse_r - lse) o_r``. That is the whole
 softmax over the union of the keys, i.e. one rank's result up to float rounding.
+
+Steps with a long enough prefill split its rows over the ranks (``md.cp_split``): each
+rank runs the model on its stripes of the prefill rows and every decode row, attends the
+decodes as above and its prefill queries by the ring pass of ``context_parallel_ring``.
 
 Masks are by key position: a key at table column ``j``, offset ``o`` sits at position
 ``j * block_size + o``; query ``q`` of a request sees keys at positions ``<= q`` (and
@@ -29,19 +34,21 @@ from dataclasses import dataclass
 
 import torch
 
+from heron.attention.context_parallel_ring import RingAttention, ring_plan
 from heron.attention.metadata import AttentionMetadata
+from heron.attention.partial_attention import attend_partial, merge_partials
 
 _FAR = 1 << 62  # key position of padding and non-local keys: after every query (masked)
-_MAX_SCORES = 1 << 24  # score elements per query chunk (64 MiB of float32)
-_CHUNK_ROWS = 256  # prefill queries per chunk: causal chunks skip the keys after them
 
 
 @dataclass
 class ContextParallelStats:
     """This process's KV tokens written into its share of the pool (counted once per step
-    and KV cache group)."""
+    and KV cache group), and the prefill tokens it computed in steps whose prefill rows were
+    split over the CP ranks (``context_parallel_ring``)."""
 
     kv_tokens_stored: int = 0
+    split_prefill_tokens: int = 0
 
 
 CP_STATS = ContextParallelStats()
@@ -69,11 +76,19 @@ class LocalPlan:
     prefills: list[tuple[int, int, LocalKeys]]  # (first token, query count, keys) per chunk
 
 
-def local_plan(md: AttentionMetadata, rank: int, size: int) -> LocalPlan:
-    """Translate the step's global slots and block tables for CP rank ``rank`` of ``size``."""
+def local_plan(md: AttentionMetadata, rank: int, size: int,
+               decodes_only: bool = False) -> LocalPlan:
+    """Translate the step's global slots and block tables for CP rank ``rank`` of ``size``
+    (``decodes_only``: the decode queries alone, and only their tokens written: a step whose
+    prefill rows are split, ``context_parallel_ring``)."""
     bs = md.block_size
     slots = md.slot_mapping
     local = (slots // bs) % size == rank
+    if decodes_only:
+        is_decode = torch.zeros_like(local)
+        one_query = torch.tensor(md.query_lens_cpu, device=slots.device) == 1
+        is_decode[md.query_start_loc[:-1][one_query]] = True
+        local &= is_decode
     rows = local.nonzero().squeeze(1)
     kept = slots[rows]
     write_slots = (kept // bs) // size * bs + kept % bs
@@ -93,7 +108,7 @@ def local_plan(md: AttentionMetadata, rank: int, size: int) -> LocalPlan:
                                offsets)
     prefills = []
     for i, q_len in enumerate(md.query_lens_cpu):
-        if q_len > 1:
+        if q_len > 1 and not decodes_only:
             col = mine[i].nonzero().squeeze(1)
             key_pos = (col[:, None] * bs + offsets).reshape(1, -1)
             seq_len = md.seq_lens_cpu[i]
@@ -115,86 +130,6 @@ def _batched_keys(tables, mine, query_pos, bs: int, size: int, offsets) -> Local
     return LocalKeys(blocks, key_pos, query_pos[:, None])
 
 
-def attend_partial(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                   key_pos: torch.Tensor, query_pos: torch.Tensor, scale: float,
-                   sliding_window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """q: (B, Q, H, D); keys, values: (B, L, KVH, D); key_pos: (B, L), ascending along L;
-    query_pos: (B, Q), ascending along Q -> (out (B, Q, H, D), lse (B, Q, H)), both float32:
-    softmax attention over the keys each query sees (causal by position, within
-    ``sliding_window``), and the log-sum-exp of those scaled scores; a query that sees none
-    gets out 0, lse -inf. Queries go in chunks; with B = 1 each chunk reads only the keys
-    some of its queries see, and masks only where some query does not see them all."""
-    b, nq, h, d = q.shape
-    out = torch.zeros(b, nq, h, d, dtype=torch.float32, device=q.device)
-    lse = torch.full((b, nq, h), float("-inf"), dtype=torch.float32, device=q.device)
-    if keys.shape[1] == 0:  # no local key at all
-        return out, lse
-    k_t = keys.float().permute(0, 2, 3, 1)  # (B, KVH, D, L)
-    v_t = values.float().transpose(1, 2)  # (B, KVH, L, D)
-    rows = max(1, min(_CHUNK_ROWS, _MAX_SCORES // (h * keys.shape[1] * b)))
-    for start in range(0, nq, rows):
-        stop = min(start + rows, nq)
-        lo, hi = _key_range(key_pos, query_pos[:, start:stop], sliding_window)
-        if hi > lo:
-            o, m = _attend_chunk(q[:, start:stop], k_t[..., lo:hi], v_t[:, :, lo:hi],
-                                 key_pos[:, lo:hi], query_pos[:, start:stop], scale,
-                                 sliding_window)
-            out[:, start:stop] = o
-            lse[:, start:stop] = m
-    return out, lse
-
-
-def _key_range(key_pos, query_pos, sliding_window) -> tuple[int, int]:
-    """The slice of keys some query of the chunk may see (every key for a batch, B > 1)."""
-    if key_pos.shape[0] > 1:
-        return 0, key_pos.shape[1]
-    kp = key_pos[0]
-    hi = int(torch.searchsorted(kp, query_pos[0, -1], right=True))
-    lo = 0
-    if sliding_window is not None:
-        lo = int(torch.searchsorted(kp, query_pos[0, 0] - sliding_window, right=True))
-    return lo, hi
-
-
-def _attend_chunk(q, k_t, v_t, key_pos, query_pos, scale, sliding_window):
-    """One query chunk: q (B, n, H, D), k_t (B, KVH, D, L), v_t (B, KVH, L, D) ->
-    (out (B, n, H, D), lse (B, n, H))."""
-    b, n, h, d = q.shape
-    kvh = k_t.shape[1]
-    g = h // kvh
-    qg = (q.float() * scale).view(b, n, kvh, g, d).permute(0, 2, 3, 1, 4)
-    scores = (qg.reshape(b, kvh, g * n, d) @ k_t).view(b, kvh, g, n, -1)  # (B, KVH, G, n, L)
-    first_q, last_k = query_pos[:, :1], key_pos[:, -1:]
-    partial = bool((last_k > first_q).any())  # some query does not see the last key
-    if sliding_window is not None:
-        partial |= bool((key_pos[:, :1] <= query_pos[:, -1:] - sliding_window).any())
-    if partial:
-        seen = key_pos[:, None, :] <= query_pos[:, :, None]  # (B, n, L)
-        if sliding_window is not None:
-            seen &= key_pos[:, None, :] > query_pos[:, :, None] - sliding_window
-        scores.masked_fill_(~seen[:, None, None], float("-inf"))
-    peak = scores.amax(-1, keepdim=True)
-    peak = torch.where(torch.isfinite(peak), peak, 0.0)
-    p = scores.sub_(peak).exp_()
-    total = p.sum(-1, keepdim=True)  # (B, KVH, G, n, 1)
-    out = (p.view(b, kvh, g * n, -1) @ v_t).view(b, kvh, g, n, d)
-    out.div_(total.clamp_min(torch.finfo(torch.float32).tiny))
-    lse = (peak + torch.log(total)).squeeze(-1)  # -inf where total is 0
-    return out.permute(0, 3, 1, 2, 4).reshape(b, n, h, d), lse.permute(0, 3, 1, 2).reshape(b, n, h)
-
-
-def merge_partials(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """outs: (N, T, H, D), lses: (N, T, H): N partial attentions over disjoint key sets ->
-    (out (T, H, D), lse (T, H)) of attention over their union. Summed in order 0..N-1."""
-    lse = torch.logsumexp(lses, 0)
-    safe = torch.where(torch.isfinite(lse), lse, 0.0)
-    weights = torch.exp(lses - safe)  # (N, T, H); 0 for a part with lse -inf
-    out = weights[0, ..., None] * outs[0]
-    for r in range(1, outs.shape[0]):
-        out = out + weights[r, ..., None] * outs[r]
-    return out, lse
-
-
 class ContextParallelAttention:
     """The attention backend of a CP rank (any device; plain torch): writes the step's K/V
     that fall in its blocks, attends over its blocks, merges with the group's partials.
@@ -212,18 +147,55 @@ class ContextParallelAttention:
         if md.tree_masks or md.streaming is not None:
             raise NotImplementedError("context parallelism supports neither tree attention "
                                       "nor StreamingLLM")
+        if md.cp_split is not None:
+            return self._split_forward(q, k, v, kv_cache, md, scale, sliding_window)
         plan = md.backend_cache.get("cp")
         if plan is None:
             plan = md.backend_cache["cp"] = local_plan(md, self.group.rank_in_group,
                                                        self.group.world_size)
         key_cache, value_cache = kv_cache[0], kv_cache[1]
-        kvh, d = k.shape[1], k.shape[2]
-        key_cache.view(-1, kvh, d).index_copy_(0, plan.write_slots, k[plan.write_rows])
-        value_cache.view(-1, kvh, d).index_copy_(0, plan.write_slots, v[plan.write_rows])
+        _write(key_cache, value_cache, plan.write_slots, k[plan.write_rows], v[plan.write_rows])
         part = self._partial(q, key_cache, value_cache, plan, scale, sliding_window)
+        return self._merged(part, q.dtype)
+
+    def _merged(self, part: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """(T, H, D + 1) this rank's partials -> (T, H, D) merged over the group."""
+        d = part.shape[-1] - 1
         gathered = self.group.all_gather(part)  # (N, T, H, D + 1)
         out, _ = merge_partials(gathered[..., :d], gathered[..., d])
-        return out.to(q.dtype)
+        return out.to(dtype)
+
+    def _split_forward(self, q, k, v, kv_cache, md: AttentionMetadata, scale, sliding_window):
+        """A step whose prefill rows are split over the group (``md.cp_split``): q, k, v hold
+        this rank's rows only. Decodes as above; prefill queries by the ring pass."""
+        split = md.cp_split
+        rank, size = self.group.rank_in_group, self.group.world_size
+        key = ("ring", sliding_window)
+        if key not in md.backend_cache:
+            ring = ring_plan(md, split, sliding_window)
+            decodes = local_plan(md, rank, size, decodes_only=True) \
+                if split.decode_rows.numel() else None
+            if "cp-stored" not in md.backend_cache:  # once per step and KV cache group
+                md.backend_cache["cp-stored"] = True
+                # (local_plan counted the decodes' tokens)
+                CP_STATS.kv_tokens_stored += sum(s.writes[0].numel() for s in ring.shards)
+            md.backend_cache[key] = (ring, decodes)
+        ring, decodes = md.backend_cache[key]
+        key_cache, value_cache = kv_cache[0], kv_cache[1]
+        out = torch.empty_like(q)
+        if decodes is not None:
+            local = torch.searchsorted(split.local_rows.to(q.device), decodes.write_rows)
+            _write(key_cache, value_cache, decodes.write_slots, k[local], v[local])
+            rows = split.decode_local.to(q.device)
+            part = self._partial(q[rows], key_cache, value_cache, _rebased(decodes, rows.numel()),
+                                 scale, sliding_window)
+            out[rows] = self._merged(part, q.dtype)
+        if split.prefill_local.numel():
+            rows = split.prefill_local.to(q.device)
+            out[rows] = RingAttention(self.group).forward(
+                q[rows], k[rows], v[rows], key_cache, value_cache, ring, scale,
+                sliding_window).to(q.dtype)
+        return out
 
     @staticmethod
     def _partial(q, key_cache, value_cache, plan: LocalPlan, scale, sliding_window):
@@ -243,6 +215,19 @@ class ContextParallelAttention:
             part[start:start + n, :, :d] = out[0]
             part[start:start + n, :, d] = lse[0]
         return part
+
+
+def _write(key_cache, value_cache, slots, k, v) -> None:
+    """Store k, v (W, KVH, D) at ``slots`` (W,) of this rank's pool."""
+    kvh, d = k.shape[1], k.shape[2]
+    key_cache.view(-1, kvh, d).index_copy_(0, slots, k)
+    value_cache.view(-1, kvh, d).index_copy_(0, slots, v)
+
+
+def _rebased(plan: LocalPlan, num_decodes: int) -> LocalPlan:
+    """``plan``'s decodes as rows 0 .. num_decodes - 1 of a tensor of the decodes alone."""
+    rows = torch.arange(num_decodes, device=plan.decode_rows.device)
+    return LocalPlan(plan.write_rows, plan.write_slots, rows, plan.decode, [])
 
 
 def _gather(key_cache, value_cache, keys: LocalKeys):

@@ -62,6 +62,10 @@ class AttentionMetadata:
     # KV cache groups (heron.models.kv_cache_spec): this step as each group sees it (its own
     # slot_mapping and block_tables, the rest shared); None with a single group
     group_views: list[AttentionMetadata] | None = None
+    # context parallelism: which of the step's rows this rank computes when its prefill
+    # rows are split over the CP ranks (heron.attention.context_parallel_ring.TokenSplit);
+    # None: every rank computes every row. The fields above stay the whole step's.
+    cp_split: object | None = None
 
     @property
     def num_reqs(self) -> int:

@@ -128,6 +128,27 @@ class GroupCoordinator:
         _timed_p2p(lambda: dist.recv(t, src=self.ranks[src_in_group], group=self.group), t)
         return t
 
+    def ring_exchange(self, send: torch.Tensor, recv: torch.Tensor):
+        """Start sending ``send`` to the next member (in group order, wrapping round) and
+        receiving the previous member's into ``recv``; returns ``wait()``, which blocks until
+        both are done. The caller computes in between (the transfer overlaps it)."""
+        n, me = self.world_size, self.rank_in_group
+        send = send.contiguous()
+        started = time.perf_counter()
+        ops = [dist.P2POp(dist.isend, send, self.ranks[(me + 1) % n], self.group),
+               dist.P2POp(dist.irecv, recv, self.ranks[(me - 1) % n], self.group)]
+        works = dist.batch_isend_irecv(ops)
+        COMM.p2p_s += time.perf_counter() - started
+
+        def wait() -> None:
+            waited = time.perf_counter()
+            for work in works:
+                work.wait()
+            COMM.p2p_s += time.perf_counter() - waited
+            COMM.p2p_bytes += send.numel() * send.element_size()
+
+        return wait
+
 
 _GROUPS = {"tp": GroupCoordinator.solo(), "cp": GroupCoordinator.solo(),
            "pp": GroupCoordinator.solo()}

@@ -104,7 +104,8 @@ class _StepLoop:
 
         return RankStats(self.rank, self.steps, self.busy_s, COMM.collective_s,
                          COMM.collective_bytes, COMM.collective_calls, COMM.p2p_s,
-                         COMM.p2p_bytes, CP_STATS.kv_tokens_stored)
+                         COMM.p2p_bytes, CP_STATS.kv_tokens_stored,
+                         CP_STATS.split_prefill_tokens)
 
 
 def serve(address: str, rank: int, init_method: str, parent_pid: int) -> None:

@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from heron.attention import ForwardContext, forward_context, get_attention_backend
+from heron.attention.context_parallel_ring import TokenSplit
 from heron.attention.metadata import AttentionMetadata
 from heron import envs
 from heron.config import SpeculativeConfig
@@ -22,6 +23,7 @@ from heron.sample.sampler import Sampler
 from heron.speculative.factory import make_proposer
 from heron.speculative.interface import DraftContext, StepView
 from heron.worker.batch import HostBatch, to_device
+from heron.worker.context_parallel_rows import gather_rows, localize, split_step
 from heron.worker.cuda_graphs import DecodeGraphRunner
 from heron.worker.input_batch import InputBatch, SequenceState
 from heron.worker.sampling_strategies import (ChainVerification, PlainSampling, StepRows,
@@ -187,11 +189,15 @@ class ModelRunner:
         if any(rebuilt) and self.graphs is not None:
             self.graphs.reset()  # they captured the old tables
 
-    def _run_model(self, host: HostBatch, intermediate: IntermediateTensors | None = None):
+    def _run_model(self, host: HostBatch, intermediate: IntermediateTensors | None = None,
+                   split: TokenSplit | None = None):
+        """The forward of the step's rows (``split``: this CP rank's share of them)."""
         self._reserve_rotary(max(host.seq_lens_cpu))
         if self.graphs is not None and self.graphs.can_run(host):
             return self.graphs.run(host)
         input_ids, positions, md = self._device_inputs(host)
+        if split is not None:
+            input_ids, positions = localize(split, md, input_ids, positions)
         return self._forward(md, input_ids, positions, intermediate)
 
     @torch.inference_mode()
@@ -264,17 +270,22 @@ class ModelRunner:
         output; a stage that is not the last sends its output on and returns it."""
         pp = self._pp
         intermediate = None
+        split = split_step(host.query_lens_cpu, host.query_start_loc_cpu, host.seq_lens_cpu,
+                           self._cp, self.block_size)
+        rows = len(host.input_ids) if split is None else split.local_rows.numel()
         if not pp.is_first:
-            shape = (len(host.input_ids), self.model.config.hidden_size)
+            shape = (rows, self.model.config.hidden_size)
             intermediate = IntermediateTensors(
                 pp.recv(torch.empty(shape, dtype=self.dtype, device=self.device),
                         pp.rank_in_group - 1),
                 pp.recv(torch.empty(shape, dtype=self.dtype, device=self.device),
                         pp.rank_in_group - 1))
-        out = self._run_model(host, intermediate)
+        out = self._run_model(host, intermediate, split)
         if not pp.is_last:
             pp.send(out.hidden, pp.rank_in_group + 1)
             pp.send(out.residual, pp.rank_in_group + 1)
+        elif split is not None:
+            out = gather_rows(out, split, len(host.input_ids), self._cp)
         return out
 
     def _inject_fault(self, samplers: list[SequenceState]) -> None:

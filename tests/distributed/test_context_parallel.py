@@ -68,6 +68,11 @@ def test_context_parallel_equals_one_rank(llama, cp):
     assert all(total / (2 * cp) < n < 2 * total / cp for n in stored), stored  # about 1/cp
     for r in stats.ranks:  # one all-gather per layer and step, and the token broadcasts
         assert r.collective_calls > 0 and r.collective_s > 0, r
+    # steps with 16 prompt tokens (4 blocks of 4) split their prefill rows in stripes of
+    # 4 over the ranks, and pass K/V round the ring (the only point-to-point traffic here)
+    split = [r.split_prefill_tokens for r in stats.ranks]
+    assert all(n > 0 for n in split) and max(split) < 1.25 * min(split), split
+    assert sum(split) < sum(PROMPT_LENS) and all(r.p2p_bytes > 0 for r in stats.ranks)
 
 
 def test_context_and_pipeline_parallel_equal_one_rank(llama):

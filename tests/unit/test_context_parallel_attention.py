@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from heron.attention.context_parallel import (ContextParallelAttention, attend_partial,
-                                              local_plan, merge_partials)
+from heron.attention.context_parallel import ContextParallelAttention, local_plan
+from heron.attention.partial_attention import attend_partial, merge_partials
 from heron.attention.metadata import AttentionMetadata
 from heron.attention.torch_backend import TorchAttentionBackend
 
