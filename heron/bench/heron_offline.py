@@ -38,6 +38,9 @@ def add_engine_args(p) -> None:
                    help="heron's tensor-parallel ranks")
     g.add_argument("-pp", "--pipeline-parallel-size", type=int, default=1,
                    help="heron's pipeline stages")
+    g.add_argument("-cp", "--context-parallel-size", type=int, default=1,
+                   help="heron's context-parallel ranks (KV sharded by block, long prefills "
+                        "split round a ring)")
     g.add_argument("--speculative-config", default=None, metavar="JSON",
                    help="heron's speculative decoding (as `heron serve --speculative-config`)")
 
@@ -59,6 +62,7 @@ def make_llm(args, **overrides):
               "max_num_seqs": args.max_num_seqs,
               "tensor_parallel_size": args.tensor_parallel_size,
               "pipeline_parallel_size": args.pipeline_parallel_size,
+              "context_parallel_size": getattr(args, "context_parallel_size", None),
               "speculative_config": getattr(args, "speculative_config", None),
               "hf_overrides": getattr(args, "hf_overrides", None)}
     if args.no_prefix_caching:

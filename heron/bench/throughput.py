@@ -181,7 +181,7 @@ def _config(args, num: int, dtype: str) -> dict:
             "num_prefixes", "dataset", "seed", "max_num_batched_tokens", "max_num_seqs",
             "max_model_len", "threads", "peer", "no_prefix_caching", "attention_backend",
             "enforce_eager", "tensor_parallel_size", "pipeline_parallel_size",
-            "speculative_config")
+            "context_parallel_size", "speculative_config")
     return {k: getattr(args, k, None) for k in keys} | {
         "num_prompts": num, "dtype": dtype,
         "input_len": args.input_len, "output_len": args.output_len or args._default_output}
