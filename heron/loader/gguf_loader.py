@@ -1,8 +1,8 @@
 """Load GGUF checkpoints (llama.cpp format) into HF-named float32 tensors.
 
-Only metadata and tokenizer conversion lean on transformers; weights are read
-with the ``gguf`` package's memory-mapped ``GGUFReader`` and dequantized with
-``gguf.quants.dequantize``, one tensor at a time.
+Only metadata and tokenizer conversion lean on transformers; the file is read
+through a memory map (``gguf_file.GGUFFile``: metadata decoded on demand) and weights are
+dequantized with ``gguf.quants.dequantize``, one tensor at a time.
 """
 
 from __future__ import annotations
@@ -21,11 +21,12 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 import gguf.quants
-from gguf import GGMLQuantizationType, GGUFReader
+from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
 from heron import envs
 from heron.loader import gguf_gemma3
+from heron.loader.gguf_file import GGUFFile
 from heron.quant import gguf_blocks
 from heron.quant.gguf_blocks import QuantizedRows
 
@@ -67,24 +68,24 @@ _SKIPPED_TENSORS = {"rope_freqs.weight"}
 
 
 @functools.lru_cache(maxsize=4)
-def _cached_reader(path: str, size: int, mtime_ns: int) -> GGUFReader:
-    """Parsing metadata costs seconds for big vocabularies, so share readers per file version."""
-    return GGUFReader(path)
+def _cached_reader(path: str, size: int, mtime_ns: int) -> GGUFFile:
+    """One reader per file version (its memory map and decoded metadata are shared)."""
+    return GGUFFile(path)
 
 
-def _open(path: str | Path) -> GGUFReader:
+def _open(path: str | Path) -> GGUFFile:
     """Memory-mapped reader for ``path`` (reused while the file is unchanged)."""
     st = os.stat(path)
     return _cached_reader(str(Path(path).resolve()), st.st_size, st.st_mtime_ns)
 
 
-def _meta(reader: GGUFReader, key: str, default: Any = None) -> Any:
+def _meta(reader: GGUFFile, key: str, default: Any = None) -> Any:
     """Value of metadata ``key`` as a Python object (str/int/float/list), or ``default``."""
     field = reader.fields.get(key)
     return default if field is None else field.contents()
 
 
-def _gguf_arch(reader: GGUFReader) -> str:
+def _gguf_arch(reader: GGUFFile) -> str:
     """GGUF ``general.architecture``; ValueError if heron cannot run it."""
     arch = _meta(reader, "general.architecture")
     if arch not in _ARCHS:
@@ -94,7 +95,7 @@ def _gguf_arch(reader: GGUFReader) -> str:
     return arch
 
 
-def _check_tensor_types(reader: GGUFReader) -> None:
+def _check_tensor_types(reader: GGUFFile) -> None:
     """ValueError naming the ggml types (and a tensor of each) heron cannot dequantize."""
     bad = {}
     for t in reader.tensors:
@@ -106,7 +107,7 @@ def _check_tensor_types(reader: GGUFReader) -> None:
                          f"supported: {', '.join(sorted(q.name for q in _DEQUANTIZABLE))}")
 
 
-def _model_type(reader: GGUFReader, arch: str) -> str:
+def _model_type(reader: GGUFFile, arch: str) -> str:
     """HF model_type; llama.cpp stores Mistral models under the llama architecture."""
     name = str(_meta(reader, "general.name", "") or "").lower()
     return "mistral" if arch == "llama" and "mistral" in name else _ARCHS[arch][0]
@@ -131,7 +132,7 @@ def _llama3_rope_scaling(freqs: np.ndarray, theta: float, head_dim: int, orig_ct
             "high_freq_factor": high, "original_max_position_embeddings": orig_ctx}
 
 
-def _yarn_scaling(reader: GGUFReader, arch: str) -> dict:
+def _yarn_scaling(reader: GGUFFile, arch: str) -> dict:
     """HF yarn keys from llama.cpp's ``{arch}.rope.scaling.yarn_*`` metadata (where present).
 
     ``yarn_log_multiplier`` is 0.1 x HF's ``mscale_all_dim`` (llama.cpp's converter); with
@@ -153,7 +154,7 @@ def _yarn_scaling(reader: GGUFReader, arch: str) -> dict:
     return out
 
 
-def _rope_scaling(reader: GGUFReader, arch: str, theta: float, head_dim: int) -> dict | None:
+def _rope_scaling(reader: GGUFFile, arch: str, theta: float, head_dim: int) -> dict | None:
     """HF rope_scaling dict (as ``heron.models.config.rope_of`` reads it) from
     ``{arch}.rope.scaling.*`` metadata or a ``rope_freqs`` tensor."""
     kind = _meta(reader, f"{arch}.rope.scaling.type")
@@ -174,7 +175,7 @@ def _rope_scaling(reader: GGUFReader, arch: str, theta: float, head_dim: int) ->
     return _llama3_rope_scaling(freqs, theta, head_dim, int(orig or 8192))
 
 
-def _config_from_reader(reader: GGUFReader) -> dict:
+def _config_from_reader(reader: GGUFFile) -> dict:
     """Build the HF config dict from an open reader (see read_gguf_config)."""
     arch = _gguf_arch(reader)
     _check_tensor_types(reader)
@@ -186,7 +187,7 @@ def _config_from_reader(reader: GGUFReader) -> dict:
     kv = max(kv) if isinstance(kv, list) else int(kv)
     head_dim = int(key("attention.key_length") or key("rope.dimension_count") or hidden // heads)
     tokens = reader.fields.get("tokenizer.ggml.tokens")  # count entries without decoding them
-    vocab = key("vocab_size") or (len(tokens.data) if tokens is not None else 0)
+    vocab = key("vocab_size") or (tokens.count if tokens is not None else 0)
     vocab = int(vocab or tensors["token_embd.weight"].shape[1])  # ggml shape = (hidden, vocab)
     theta = float(key("rope.freq_base", 10000.0))
     cfg = {
@@ -290,7 +291,7 @@ def _cache_dir(path: Path, cache_root: str | Path | None) -> Path:
     return Path(root) / "gguf" / f"{path.stem}-{key}"
 
 
-def _generation_config(cfg: dict, reader: GGUFReader, extra_eos: list[int] = ()) -> dict:
+def _generation_config(cfg: dict, reader: GGUFFile, extra_eos: list[int] = ()) -> dict:
     """generation_config.json: stop on eos and, if distinct, the end-of-turn token."""
     eos = [i for i in (cfg["eos_token_id"], _meta(reader, "tokenizer.ggml.eot_token_id"),
                        *extra_eos) if i is not None]
