@@ -104,13 +104,14 @@ def load_weights(model: nn.Module, weights, dtype: torch.dtype) -> None:
             if not _on_other_stage(model, name):
                 unexpected.append(hf_name)
             continue
-        if isinstance(tensor, QuantizedRows):
-            pass  # GGUF rows: the layer decides
+        owner = _owner(model, name)
+        if isinstance(tensor, QuantizedRows) or _decodes_while_loading(owner):
+            pass  # GGUF rows, or a float projection of a GGUF layer: the layer decides
         elif param.dtype.is_floating_point and param.dtype.itemsize > 1:
             checks.check_dtype(hf_name, tensor)  # a quantized tensor for a float parameter
         else:
             checks.check_quantized_dtype(hf_name, tensor, param.dtype)
-        loader = getattr(_owner(model, name), "load_weight", default_weight_loader)
+        loader = getattr(owner, "load_weight", default_weight_loader)
         loader(param, tensor, shard)
         loaded.setdefault(name, set()).add(shard)
     if unexpected:
@@ -119,6 +120,13 @@ def load_weights(model: nn.Module, weights, dtype: torch.dtype) -> None:
     if missing:
         raise ValueError(f"checkpoint lacks weights for: {', '.join(missing[:8])}"
                          + (" ..." if len(missing) > 8 else ""))
+
+
+def _decodes_while_loading(layer: nn.Module) -> bool:
+    """Whether ``layer``'s quantization method takes checkpoint tensors as they come and
+    checks them itself (GGUF kept quantized: a fused layer may mix float projections with
+    quantized ones)."""
+    return hasattr(getattr(layer, "quant_method", None), "load_weight")
 
 
 def _is_optional(model: nn.Module, param_name: str) -> bool:

@@ -155,12 +155,15 @@ def _synthetic_weights(arch, rng):
     return [(g, hf, rng.standard_normal(shape).astype(np.float32), qt) for g, hf, shape, qt in specs]
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
-def test_synthetic_roundtrip(tmp_path, arch):
-    rng = np.random.default_rng(0)
-    weights = _synthetic_weights(arch, rng)
-    path = tmp_path / f"{arch}.gguf"
+def _write_synthetic(path, arch, weights, tokenizer: bool = False) -> None:
+    """A GGUF of ``weights`` (``_synthetic_weights``), with a toy SPM vocabulary when
+    ``tokenizer`` (an engine converts it to load the model)."""
     w = _writer(path, arch)
+    if tokenizer:
+        w.add_tokenizer_model("llama")
+        w.add_token_list(["<unk>", "<s>", "</s>"] + [f"t{i}" for i in range(3, VOCAB)])
+        w.add_token_scores([0.0] * VOCAB)
+        w.add_token_types([2, 3, 3] + [1] * (VOCAB - 3))
     for gname, _, ref, qt in weights:
         stored = ref
         if arch == "llama" and ".attn_q.weight" in gname:
@@ -173,6 +176,13 @@ def test_synthetic_roundtrip(tmp_path, arch):
             w.add_tensor(gname, stored.astype(np.float16 if qt == Q.F16 else np.float32))
     _finish(w)
 
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_synthetic_roundtrip(tmp_path, arch):
+    rng = np.random.default_rng(0)
+    weights = _synthetic_weights(arch, rng)
+    path = tmp_path / f"{arch}.gguf"
+    _write_synthetic(path, arch, weights)
     cfg = read_gguf_config(path)
     assert cfg["architectures"] == [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                                      "qwen3": "Qwen3ForCausalLM"}[arch]]
@@ -185,6 +195,25 @@ def test_synthetic_roundtrip(tmp_path, arch):
         rtol, atol = {Q.F32: (0, 0), Q.F16: (1e-3, 0), Q.Q8_0: (0, np.abs(ref).max() / 127)}[qt]
         assert got[hf].shape == ref.shape and got[hf].is_contiguous()
         torch.testing.assert_close(got[hf], torch.from_numpy(ref), rtol=rtol, atol=atol, msg=hf)
+
+
+def test_fused_layers_mixing_float_and_quantized_projections_load_kept_quantized(tmp_path):
+    """q (Q8_0), k (F32) and v (F16) in one fused qkv, gate (Q8_0) and up (F16) in one
+    gate_up: kept quantized, such layers go float; outputs equal the dequantized load."""
+    from heron import LLM, SamplingParams
+
+    path = tmp_path / "mixed.gguf"
+    _write_synthetic(path, "llama", _synthetic_weights("llama", np.random.default_rng(1)),
+                     tokenizer=True)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2)
+    outs = {}
+    for quantization in ("gguf", "none"):
+        llm = LLM(str(path), quantization=quantization, num_kv_blocks=16, block_size=4)
+        outs[quantization] = llm.generate([[3, 5, 7, 9]], params)[0].outputs[0]
+    assert outs["gguf"].token_ids == outs["none"].token_ids
+    for a, b in zip(outs["gguf"].logprobs, outs["none"].logprobs):
+        for token, entry in b.items():
+            assert abs(a[token][0] - entry[0]) < 1e-4
 
 
 def test_llama3_rope_scaling_recovered(tmp_path):
