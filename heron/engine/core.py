@@ -336,7 +336,7 @@ class EngineCore:
             num_generation_tokens_total=self._generated,
             num_requests_finished_total=self._accepted - unfinished,
             num_requests_rejected_total=self._rejected, scheduler=sched.stats,
-            prefix_cache=cache.stats if cache else PrefixCacheStats(),
+            prefix_cache=cache.stats if cache is not None else PrefixCacheStats(),
             prefix_cache_enabled=cache is not None,
             spec_decode=sched.spec_stats if self.config.speculative else None,
             step_time=self._step_time, ranks=self.executor.rank_stats())

@@ -66,6 +66,9 @@ def test_preempting_requests_that_share_a_prefix_is_exact(shared):
     _assert_all_blocks_available(llm)
     assert llm.reset_prefix_cache() == stats.num_cached_blocks > 0
     assert llm.engine.kv_cache.pool.num_free_blocks == llm.engine.kv_cache.num_blocks
+    # an emptied cache keeps its counters (totals that only grow: /metrics counters)
+    after = llm.engine.stats().prefix_cache
+    assert (after.hits, after.queries) == (stats.prefix_cache.hits, stats.prefix_cache.queries)
 
 
 def test_cache_off_gives_the_same_outputs_and_computes_every_token(shared):
