@@ -1,17 +1,20 @@
-"""StreamingLLM's attention (``heron.attention.streaming.sink_window_attention``) against a
-float64 reference written the paper's way: raw keys re-rotated at their positions in the
-cache (sinks first, then the window), the query at the cache's last position. heron never
-re-rotates a key: window keys keep their true positions and the sinks are scored with a
-second copy of the query rotated at the cache position (RoPE scores depend only on the
-distance). Any chunk of queries, GQA, paged blocks with the released middle filled with
-garbage that must never be read."""
+"""StreamingLLM's attention (``heron.attention.streaming``) against a float64 reference
+written the paper's way: raw keys re-rotated at their positions in the cache (sinks first,
+then the window), the query at the cache's last position. heron never re-rotates a key:
+window keys keep their true positions and the sinks are scored with a second copy of the
+query rotated at the cache position (RoPE scores depend only on the distance). Any chunk of
+queries (``sink_window_attention``), and whole steps through ``streaming_forward``: batched
+decodes of different lengths, sinks and windows beside prefill chunks and requests that do
+not stream, under the torch backend (the padded gather) and the cpu backend (the C++
+kernel). GQA, paged blocks with the released middle filled with NaN that must never be
+read."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from heron.attention.streaming import sink_window_attention
+from heron.attention.streaming import sink_window_attention, streaming_forward
 from heron.layers.rotary import apply_rotary, compute_inv_freq
 
 HEADS, KV_HEADS, DIM, BLOCK = 4, 2, 16, 4
@@ -73,3 +76,110 @@ def test_matches_the_rerotated_cache(sinks, window, seq_len, q_len):
                                 scale, sinks, window)
     ref = _reference(q_raw, k_raw, v, seq_len, q_len, sinks, window, scale)
     torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-5)
+
+
+# ---- a whole step through streaming_forward: batched decodes, chunks, plain requests -------
+# per request: (streaming (S, W) or None, seq_len, q_len)
+MIXED = [((4, 16), 40, 1), ((2, 8), 64, 1), ((0, 8), 30, 1), ((4, 16), 12, 1),
+         ((4, 16), 20, 1), ((4, 16), 21, 1), ((6, 3), 100, 1), ((1, 5), 33, 7),
+         (None, 25, 1), (None, 18, 6), ((3, 9), 70, 1)]
+DECODES_ONLY = [r for r in MIXED if r[0] is not None and r[2] == 1]
+
+
+def _backend(name: str):
+    from heron.attention import get_attention_backend
+    from heron.kernels import cpu
+
+    if name == "cpu" and not cpu.load():
+        pytest.skip("heron's C++ CPU kernels did not build here")
+    return get_attention_backend(name)
+
+
+def _released(spec, seq_len: int, q_len: int) -> range:
+    """Positions of a streaming request no query of its chunk may read."""
+    if spec is None:
+        return range(0)
+    sinks, window = spec
+    return range(sinks, max(sinks, seq_len - q_len - window + 1))
+
+
+def _step(requests, seed: int):
+    """A flat step over a shuffled pool of finite garbage, NaN planted (keys and values) in
+    each streaming request's released positions and in the unused tail of its last block.
+    Returns the step's tensors, its metadata and the float64 reference output."""
+    from heron.attention import AttentionMetadata
+
+    torch.manual_seed(seed)
+    per_req = [-(-s // BLOCK) for _, s, _ in requests]
+    num_blocks = sum(per_req) + 3
+    order = torch.randperm(num_blocks - 1) + 1  # block 0: padding, never owned
+    key_cache = torch.randn(num_blocks, BLOCK, KV_HEADS, DIM) * 100
+    value_cache = torch.randn(num_blocks, BLOCK, KV_HEADS, DIM) * 100
+    tables = torch.zeros(len(requests), max(per_req), dtype=torch.long)
+    cols = {name: [] for name in ("q", "q_sink", "k", "v", "slots", "ref")}
+    scale, used = DIM ** -0.5, 0
+    for i, (spec, seq_len, q_len) in enumerate(requests):
+        tables[i, :per_req[i]] = order[used:used + per_req[i]]
+        used += per_req[i]
+        q_raw = torch.randn(q_len, HEADS, DIM)
+        k_raw, v = torch.randn(seq_len, KV_HEADS, DIM), torch.randn(seq_len, KV_HEADS, DIM)
+        cos, sin = _rope(torch.arange(seq_len))
+        keys = apply_rotary(k_raw, cos, sin)  # (seq_len, KVH, D) at true positions
+        slots = tables[i][torch.arange(seq_len) // BLOCK] * BLOCK + torch.arange(seq_len) % BLOCK
+        new = seq_len - q_len
+        key_cache.view(-1, KV_HEADS, DIM)[slots[:new]] = keys[:new]
+        value_cache.view(-1, KV_HEADS, DIM)[slots[:new]] = v[:new]
+        garbage = list(_released(spec, seq_len, q_len)) + list(
+            range(seq_len, per_req[i] * BLOCK) if spec is not None else [])
+        flat_tail = tables[i][torch.tensor(garbage, dtype=torch.long) // BLOCK] * BLOCK \
+            + torch.tensor(garbage, dtype=torch.long) % BLOCK
+        key_cache.view(-1, KV_HEADS, DIM)[flat_tail] = float("nan")
+        value_cache.view(-1, KV_HEADS, DIM)[flat_tail] = float("nan")
+        q = apply_rotary(q_raw, cos[new:], sin[new:])
+        sink_pos = torch.arange(new, seq_len) if spec is None else \
+            torch.full((q_len,), sum(spec) - 1)
+        cols["q"].append(q)
+        cols["q_sink"].append(apply_rotary(q_raw, *_rope(sink_pos)))
+        cols["k"].append(keys[new:])
+        cols["v"].append(v[new:])
+        cols["slots"].append(slots[new:])
+        sinks, window = spec if spec is not None else (0, seq_len)  # plain: never evicts
+        cols["ref"].append(_reference(q_raw, k_raw, v, seq_len, q_len, sinks, window, scale))
+    q_lens = [r[2] for r in requests]
+    starts = [0]
+    for n in q_lens:
+        starts.append(starts[-1] + n)
+    md = AttentionMetadata(
+        slot_mapping=torch.cat(cols["slots"]), block_tables=tables,
+        seq_lens=torch.tensor([r[1] for r in requests]), query_start_loc=torch.tensor(starts),
+        query_start_loc_cpu=starts, query_lens_cpu=q_lens,
+        seq_lens_cpu=[r[1] for r in requests], block_size=BLOCK,
+        streaming=[r[0] for r in requests])
+    kv_cache = torch.stack([key_cache, value_cache])
+    tensors = [torch.cat(cols[name]) for name in ("q", "q_sink", "k", "v")]
+    return tensors, kv_cache, md, torch.cat(cols["ref"])
+
+
+@pytest.mark.parametrize("requests", [MIXED, DECODES_ONLY], ids=["mixed", "decodes-only"])
+@pytest.mark.parametrize("backend_name", ["torch", "cpu"])
+def test_a_batched_step_matches_the_rerotated_cache(backend_name, requests):
+    """Decodes of different lengths, sinks and windows (before, at and after the first
+    eviction; no sinks; more sinks than window) in one batch, beside a streaming prefill chunk
+    and requests that do not stream; twice, as two layers of one step share its plan."""
+    backend = _backend(backend_name)
+    (q, q_sink, k, v), kv_cache, md, ref = _step(requests, seed=len(requests))
+    for _ in range(2):
+        got = streaming_forward(backend, q, q_sink, k, v, kv_cache, md, DIM ** -0.5, None)
+        torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_cpu_kernel_before_eviction_is_the_plain_decode():
+    """A streaming decode that has evicted nothing yet gets the very bits of the cpu backend's
+    decode of the same request (its keys all scored with q, in the same order)."""
+    backend = _backend("cpu")
+    requests = [((4, 16), 19, 1), ((8, 120), 100, 1)]
+    (q, q_sink, k, v), kv_cache, md, _ = _step(requests, seed=3)
+    got = streaming_forward(backend, q, q_sink, k, v, kv_cache.clone(), md, DIM ** -0.5, None)
+    md.streaming = None
+    plain = backend.forward(q, k, v, kv_cache, md, DIM ** -0.5, None)
+    assert torch.equal(got, plain)

@@ -1,7 +1,8 @@
-"""heron's C++ CPU kernels (paged attention: decode, and any mix of ragged query chunks; the
-weight-only quantized linear layer over ``heron.quant.int_layout``; a layer's small ops:
-RMSNorm, rotary, SiLU-and-mul, the KV-cache write; the LayerStack that runs a decoder's
-layers in one call; a caching CPU allocator), compiled once per machine.
+"""heron's C++ CPU kernels (paged attention: decode, and any mix of ragged query chunks;
+StreamingLLM's batched decode over sinks and windows; the weight-only quantized linear layer
+over ``heron.quant.int_layout``; a layer's small ops: RMSNorm, rotary, SiLU-and-mul, the
+KV-cache write; the LayerStack that runs a decoder's layers in one call; a caching CPU
+allocator), compiled once per machine.
 
 ``load()`` builds the ``.cpp`` files of ``_SOURCES`` (and the headers next to them) into one
 library with torch's extension builder (ninja + the system C++ compiler, cached under
@@ -24,7 +25,8 @@ logger = logging.getLogger(__name__)
 
 _DIR = Path(__file__).parent
 _SOURCES = [_DIR / "paged_attention.cpp", _DIR / "quant_linear.cpp", _DIR / "quant_linear_int8.cpp",
-            _DIR / "small_ops.cpp", _DIR / "layer_stack.cpp", _DIR / "caching_allocator.cpp"]
+            _DIR / "small_ops.cpp", _DIR / "layer_stack.cpp", _DIR / "caching_allocator.cpp",
+            _DIR / "streaming_attention.cpp"]
 
 
 def _headers_digest() -> str:
