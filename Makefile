@@ -1,7 +1,7 @@
 # heron: `make serve` runs the main job (the embedded SmolLM2 behind an OpenAI-compatible API),
 # `make test` passes every test, `make test-fast` the unit tier alone (tests/unit: no real model,
 # a few minutes at most) for the inner loop. The tiers are the folders of tests/ (unit, models,
-# kernels, server, distributed, reference_tools); `make test TESTS=tests/kernels` runs one of them.
+# kernels, server, route, distributed, reference_tools); `make test TESTS=tests/kernels` runs one of them.
 # Each creates .venv on first use and installs everything (torch pinned to the 2.13.0 CPU wheel).
 
 PYTHON ?= python3

@@ -1,6 +1,6 @@
 """Fixtures every tier shares, and the tier markers.
 
-The tiers are the folders under tests/ (unit, models, kernels, server, distributed,
+The tiers are the folders under tests/ (unit, models, kernels, server, route, distributed,
 reference_tools); each test is marked with its folder's name, so ``-m unit`` or
 ``-m "not models"`` selects by tier. Helpers shared by the test files live in tests/helpers/
 (on sys.path through pytest's ``pythonpath`` setting) and import by bare name.
@@ -27,7 +27,7 @@ import pytest  # noqa: E402
 
 from heron.loader.gguf_loader import find_default_gguf  # noqa: E402
 
-TIERS = ("unit", "models", "kernels", "server", "distributed", "reference_tools")
+TIERS = ("unit", "models", "kernels", "server", "route", "distributed", "reference_tools")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -23,6 +23,7 @@ EPILOG = """examples:
   heron chat --model ./my-hf-model-dir --dtype bfloat16
   heron serve --port 8000          # OpenAI-compatible API on 127.0.0.1:8000
   heron bench throughput --peer hf # benchmarks: throughput | latency | serve | report
+  heron route --worker-urls http://127.0.0.1:8001 http://127.0.0.1:8002  # OpenAI gateway
   heron check-kernels              # Triton kernels vs float64 references (CPU: interpreter)
 
 With no --model, heron runs the embedded SmolLM2-135M-Instruct (GGUF, from the
@@ -92,6 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
     from heron.bench.cli import add_parser as add_bench_parser
 
     add_bench_parser(sub)
+    from heron.route.cli import add_parser as add_route_parser
+
+    add_route_parser(sub)
     from heron.entrypoints.check_kernels import add_parser as add_check_kernels_parser
 
     add_check_kernels_parser(sub)
@@ -125,6 +129,10 @@ def _run(args) -> int:
         from heron.bench.cli import run as run_bench
 
         return run_bench(args)
+    if args.command == "route":
+        from heron.route.cli import run as run_route
+
+        return run_route(args)
     if args.command == "check-kernels":
         from heron.entrypoints.check_kernels import run as run_check_kernels
 

@@ -189,7 +189,8 @@ def server_settings(args):
         max_queued_sequences=args.max_queued_sequences,
         max_sequences_per_request=args.max_sequences_per_request,
         max_body_bytes=args.max_body_bytes, cost_per_gpu_hour=args.cost_per_gpu_hour,
-        shutdown_timeout=args.shutdown_timeout, openai=openai, http=http)
+        shutdown_timeout=args.shutdown_timeout, openai=openai, http=http,
+        kv_events_endpoint=args.kv_events_endpoint)
 
 
 def _check_device(device: str) -> None:

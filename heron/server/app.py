@@ -54,6 +54,7 @@ class ServerSettings:
     max_body_bytes: int = 4 * 1024 * 1024
     cost_per_gpu_hour: float | None = None
     shutdown_timeout: float = 30.0  # s in-flight requests get after SIGTERM; then cut (503)
+    kv_events_endpoint: str | None = None  # where the engine publishes KV events (/server_info)
     openai: OpenAIOptions = field(default_factory=OpenAIOptions)  # how responses are made
     http: HttpOptions = field(default_factory=HttpOptions)  # CORS, TLS, docs, body timeout
 
@@ -204,6 +205,18 @@ def _install_ops_routes(app: FastAPI, state: ServerState) -> None:
                 "admitted_requests": admission.queued_requests,
                 "admitted_sequences": admission.queued_sequences,
                 "admitted_prompt_tokens": admission.queued_tokens}
+
+    @app.get("/server_info", responses=error_responses(401))
+    async def server_info():
+        """What a cache-aware router needs to mirror this server's prefix cache: the block
+        size, where KV events are published, the tokenizer directory (and --chat-template)
+        to tokenize as this server does."""
+        ready = getattr(client, "ready", None)
+        return {"model": state.model_name, "block_size": getattr(ready, "block_size", None),
+                "kv_events_endpoint": state.settings.kv_events_endpoint,
+                "tokenizer_dir": getattr(ready, "tokenizer_dir", None),
+                "chat_template": state.settings.openai.chat_template,
+                "max_model_len": client.max_model_len}
 
     @app.post("/reset_prefix_cache", responses=error_responses(401, 415, 503))
     async def reset_prefix_cache():

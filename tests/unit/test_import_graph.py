@@ -13,9 +13,9 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[2] / "heron"
 
 # Top to bottom: a package imports only packages listed after it (README, "Architecture").
-ORDER = ["entrypoints", "bench", "quantizer", "training", "server", "transport", "engine",
-         "executor", "worker", "speculative", "sample", "loader", "models", "layers", "quant",
-         "attention", "distributed", "kernels"]
+ORDER = ["entrypoints", "bench", "quantizer", "training", "route", "server", "transport",
+         "engine", "executor", "worker", "speculative", "sample", "loader", "models", "layers",
+         "quant", "attention", "distributed", "kernels"]
 # Top-level modules every floor may use; they import only each other.
 LEAVES = {"__init__", "__main__", "config", "envs", "errors", "sampling_params", "outputs",
           "logging_config", "cli_help", "tokenizer"}
