@@ -216,13 +216,24 @@ def _install_ops_routes(app: FastAPI, state: ServerState) -> None:
                 "kv_events_endpoint": state.settings.kv_events_endpoint,
                 "tokenizer_dir": getattr(ready, "tokenizer_dir", None),
                 "chat_template": state.settings.openai.chat_template,
-                "max_model_len": client.max_model_len}
+                "max_model_len": client.max_model_len, **_model_info(state)}
+
+    @app.get("/model_info", responses=error_responses(401))
+    async def model_info():
+        """The model as SGLang's gateway registers a worker's (its fields, its route)."""
+        return _model_info(state)
 
     @app.post("/reset_prefix_cache", responses=error_responses(401, 415, 503))
     async def reset_prefix_cache():
         """Admin: free every cached KV block no request uses (before any later request)."""
         client.reset_prefix_cache()
         return {"status": "ok"}
+
+
+def _model_info(state: ServerState) -> dict:
+    ready = getattr(state.client, "ready", None)
+    return {"model_path": state.model_name,
+            "tokenizer_path": getattr(ready, "tokenizer_dir", None), "is_generation": True}
 
 
 _GENERATION_ERRORS = error_responses(400, 401, 404, 408, 413, 415, 429, 500, 503)

@@ -167,7 +167,7 @@ def _options(scope: Scope) -> Response:
 
 SERVED = ("POST /v1/chat/completions, POST /v1/completions, GET /v1/models, POST /tokenize, "
           "POST /detokenize, GET /health, GET /ready, GET /metrics, GET /stats, GET /version, "
-          "GET /server_info, POST /reset_prefix_cache")
+          "GET /server_info, GET /model_info, POST /reset_prefix_cache")
 
 
 def not_served_message(method: str, path: str) -> str:

@@ -33,7 +33,8 @@ def test_server_info_reports_cache_geometry_and_events_endpoint():
     body = _get(settings).json()
     assert body == {"model": "smol", "block_size": 16, "kv_events_endpoint": "tcp://*:5557",
                     "tokenizer_dir": None, "chat_template": "{{ messages }}",
-                    "max_model_len": 1 << 20}
+                    "max_model_len": 1 << 20, "model_path": "smol", "tokenizer_path": None,
+                    "is_generation": True}
 
 
 def test_server_info_without_events_and_behind_the_api_key():
