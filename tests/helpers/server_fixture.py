@@ -51,6 +51,18 @@ def wait_until_answering(url: str, proc: subprocess.Popen, timeout_s: float,
     return False
 
 
+def stop_process(proc: subprocess.Popen, timeout: float = 30.0) -> int:
+    """SIGTERM (a server drains), SIGKILL after ``timeout``; the exit status."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+    return proc.returncode
+
+
 class HeronServer:
     def __init__(self, *args: str, startup_timeout: float = 180.0,
                  env: dict[str, str] | None = None) -> None:
@@ -88,11 +100,4 @@ class HeronServer:
         return stats
 
     def stop(self, timeout: float = 30.0) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                os.kill(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(10)
-        return self.proc.returncode
+        return stop_process(self.proc, timeout)

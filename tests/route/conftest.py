@@ -10,8 +10,6 @@ and answers 429 beyond that (the saturation test relies on it).
 
 from __future__ import annotations
 
-import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -19,7 +17,7 @@ import tempfile
 import httpx
 import pytest
 
-from server_fixture import free_port, wait_until_answering
+from server_fixture import free_port, stop_process, wait_until_answering
 
 ROUTER_STARTUP_S = 30.0
 
@@ -74,14 +72,7 @@ class RouterProcess:
         return httpx.get(f"{self.url}/workers", headers=headers, timeout=5).json()["workers"]
 
     def stop(self, timeout: float = 30.0) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                os.kill(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(10)
-        return self.proc.returncode
+        return stop_process(self.proc, timeout)
 
 
 @pytest.fixture(scope="session")

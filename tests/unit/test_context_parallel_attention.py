@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from attention_steps import table_metadata, table_slots
 from heron.attention.context_parallel import ContextParallelAttention, local_plan
 from heron.attention.partial_attention import attend_partial, merge_partials
-from heron.attention.metadata import AttentionMetadata
 from heron.attention.torch_backend import TorchAttentionBackend
 
 H, KVH, D, BS = 6, 2, 8, 4
@@ -54,22 +54,6 @@ def test_merged_partials_equal_full_attention(parts, window):
     assert torch.isinf(torch.stack(lses)).any() or window is None
 
 
-def _metadata(tables, seq_lens, query_lens, slot_mapping) -> AttentionMetadata:
-    starts = [0]
-    for n in query_lens:
-        starts.append(starts[-1] + n)
-    width = max(len(t) for t in tables)
-    padded = torch.tensor([t + [0] * (width - len(t)) for t in tables])
-    return AttentionMetadata(slot_mapping=slot_mapping, block_tables=padded,
-                             seq_lens=torch.tensor(seq_lens), query_start_loc=torch.tensor(starts),
-                             query_start_loc_cpu=starts, query_lens_cpu=list(query_lens),
-                             seq_lens_cpu=list(seq_lens), block_size=BS)
-
-
-def _slots(table, start, n):
-    return [table[p // BS] * BS + p % BS for p in range(start, start + n)]
-
-
 class _Ranks:
     """N CP ranks simulated in one process: each its own pool; the all-gather stacks their
     partials in rank order, as the group's collective does."""
@@ -107,13 +91,14 @@ def test_simulated_ranks_equal_one_pool(n, window):
     for query_lens, cached in steps:
         seq_lens = [c + q for c, q in zip(cached, query_lens)]
         slots = torch.tensor([s for t, c, q in zip(tables, cached, query_lens)
-                              for s in _slots(t, c, q)])
+                              for s in table_slots(t, c, q, BS)])
         t = sum(query_lens)
         q, k, v = torch.randn(t, H, D), torch.randn(t, KVH, D), torch.randn(t, KVH, D)
-        ref = backend.forward(q, k, v, full, _metadata(tables, seq_lens, query_lens, slots),
-                              0.25, window)
-        out = ranks.forward(q, k, v, lambda: _metadata(tables, seq_lens, query_lens, slots),
-                            0.25, window)
+        def metadata():
+            return table_metadata(tables, seq_lens, query_lens, slots, BS)
+
+        ref = backend.forward(q, k, v, full, metadata(), 0.25, window)
+        out = ranks.forward(q, k, v, metadata, 0.25, window)
         assert (out - ref).abs().max() < 1e-5
     # each rank's pool holds exactly its blocks (id % n == rank, at id // n), nothing else
     for r, pool in enumerate(ranks.pools):
@@ -126,7 +111,7 @@ def test_simulated_ranks_equal_one_pool(n, window):
 
 def test_a_rank_writes_only_tokens_of_its_blocks():
     tables = [[5, 2, 7]]
-    md = _metadata(tables, [11], [11], torch.tensor(_slots(tables[0], 0, 11)))
+    md = table_metadata(tables, [11], [11], torch.tensor(table_slots(tables[0], 0, 11, BS)), BS)
     plan = local_plan(md, 1, 2)  # blocks 5 and 7 are rank 1's, at local 2 and 3
     assert plan.write_rows.tolist() == [0, 1, 2, 3, 8, 9, 10]
     assert plan.write_slots.tolist() == [8, 9, 10, 11, 12, 13, 14]

@@ -12,9 +12,9 @@ import threading
 import pytest
 import torch
 
+from attention_steps import table_metadata, table_slots
 from heron.attention.context_parallel import ContextParallelAttention
 from heron.attention.context_parallel_ring import split_tokens
-from heron.attention.metadata import AttentionMetadata
 from heron.attention.torch_backend import TorchAttentionBackend
 
 H, KVH, D, BS = 6, 2, 8, 4
@@ -55,18 +55,6 @@ class _ThreadGroup:
         return out
 
 
-def _metadata(tables, seq_lens, query_lens, slots) -> AttentionMetadata:
-    starts = [0]
-    for n in query_lens:
-        starts.append(starts[-1] + n)
-    width = max(len(t) for t in tables)
-    padded = torch.tensor([t + [0] * (width - len(t)) for t in tables])
-    return AttentionMetadata(slot_mapping=slots, block_tables=padded,
-                             seq_lens=torch.tensor(seq_lens), query_start_loc=torch.tensor(starts),
-                             query_start_loc_cpu=starts, query_lens_cpu=list(query_lens),
-                             seq_lens_cpu=list(seq_lens), block_size=BS)
-
-
 def _run_ranks(n, pools, q, k, v, md_of, window):
     """Every simulated rank's attention for its rows -> (T, H, D), the step's output."""
     hub, out = _Hub(n), torch.full_like(q, float("nan"))
@@ -99,10 +87,6 @@ def _run_ranks(n, pools, q, k, v, md_of, window):
     return out
 
 
-def _slots(table, start, count):
-    return [table[p // BS] * BS + p % BS for p in range(start, start + count)]
-
-
 @pytest.mark.parametrize("window", [None, 6])
 @pytest.mark.parametrize("n", [2, 3, 4])
 def test_split_prefill_over_a_ring_equals_one_pool(n, window):
@@ -119,13 +103,14 @@ def test_split_prefill_over_a_ring_equals_one_pool(n, window):
     for query_lens, cached in steps:
         seq_lens = [c + q for c, q in zip(cached, query_lens)]
         slots = torch.tensor([s for t, c, q in zip(tables, cached, query_lens)
-                              for s in _slots(t, c, q)])
+                              for s in table_slots(t, c, q, BS)])
         t = sum(query_lens)
         q, k, v = torch.randn(t, H, D), torch.randn(t, KVH, D), torch.randn(t, KVH, D)
-        ref = backend.forward(q, k, v, full, _metadata(tables, seq_lens, query_lens, slots),
-                              0.25, window)
-        out = _run_ranks(n, pools, q, k, v,
-                         lambda: _metadata(tables, seq_lens, query_lens, slots), window)
+        def metadata():
+            return table_metadata(tables, seq_lens, query_lens, slots, BS)
+
+        ref = backend.forward(q, k, v, full, metadata(), 0.25, window)
+        out = _run_ranks(n, pools, q, k, v, metadata, window)
         assert (out - ref).abs().max() < 1e-5
     for r, pool in enumerate(pools):  # rank r holds blocks id % n == r, at id // n
         for b in range(num_blocks):
