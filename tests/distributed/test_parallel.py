@@ -76,7 +76,9 @@ def _assert_rank_stats(ranks, tp: int, pp: int, cp: int) -> None:
         assert r.steps > 0 and r.busy_s > 0, r
         assert (r.collective_calls > 0 and r.collective_s > 0) == (tp * cp > 1), r
         assert (r.kv_tokens_stored > 0) == (cp > 1), r
-        assert (r.p2p_bytes > 0) == (pp > 1), r
+        # point to point: pipeline stages, and CP's ring pass of K/V in split prefills
+        assert (r.p2p_bytes > 0) == (pp > 1 or r.split_prefill_tokens > 0), r
+        assert cp > 1 or r.split_prefill_tokens == 0, r
 
 
 def _checkpoint_bytes(path) -> tuple[int, int]:
