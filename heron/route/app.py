@@ -1,44 +1,35 @@
 """The router's FastAPI app: ``build_app(config)``, usable in-process (a TestClient runs its
 lifespan) or under uvicorn (``heron route``).
 
-Routes: POST /v1/completions and /v1/chat/completions (forwarded), GET /v1/models (the union
-of the workers'), /health, /ready, /metrics, and the admin /workers (GET, POST {"url"},
-DELETE ?url=). With ``--api-key`` everything but /health, /ready and /metrics needs
-``Authorization: Bearer KEY``. A request goes: body guard -> input guards -> admission ->
-policy -> proxy, and a client that leaves before its response started cancels the upstream.
+Routes: POST /v1/completions and /v1/chat/completions (forwarded by ``ingress``, plain ASGI
+ahead of FastAPI's machinery), GET /v1/models (the union of the workers'), /health, /ready,
+/metrics, and the admin /workers (GET, POST {"url"}, DELETE ?url=). With ``--api-key``
+everything but /health, /ready and /metrics needs ``Authorization: Bearer KEY``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
+import json
 import logging
-import time
 
-import httpx
 from fastapi import FastAPI, Request
-from starlette.requests import ClientDisconnect
+from starlette.datastructures import Headers
 from starlette.responses import JSONResponse, Response
 
 from heron.route.admission import Admission, Refused
 from heron.route.config import RouterConfig
-from heron.route.guards import ENDPOINTS, read_body, route_request
+from heron.route.guards import ENDPOINTS
 from heron.route.health import HealthChecker
+from heron.route.ingress import authorized, error_response, forward, unauthorized
 from heron.route.metrics import RouterMetrics
 from heron.route.policies import make_policy
 from heron.route.proxy import Proxy
+from heron.route.upstream import Upstream, UpstreamError
 from heron.route.workers import WorkerRegistry, WorkerState
-from heron.server.errors import error_body
 
 logger = logging.getLogger("heron.route")
-OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})
-
-
-def error_response(status: int, message: str, type_: str, param: str | None = None,
-                   retry_after: int | None = None) -> JSONResponse:
-    headers = {"Retry-After": str(retry_after)} if retry_after is not None else None
-    return JSONResponse(error_body(message, type_, param, status), status, headers=headers)
 
 
 class RouterState:
@@ -52,7 +43,7 @@ class RouterState:
         self.metrics = RouterMetrics(self.workers, self.policy.name, config.cost_per_gpu_hour)
         self.admission = Admission(config.max_concurrent_requests, config.queue_size,
                                    config.queue_timeout_secs)
-        self.client: httpx.AsyncClient | None = None
+        self.upstream = Upstream(config.connect_timeout_secs, config.request_timeout_secs)
         self.proxy: Proxy | None = None
         self.health: HealthChecker | None = None
         self._tasks: set[asyncio.Task] = set()  # runtime worker additions being checked
@@ -70,11 +61,9 @@ class RouterState:
 
     async def start(self) -> None:
         cfg = self.config
-        timeout = httpx.Timeout(cfg.request_timeout_secs, connect=cfg.connect_timeout_secs)
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
-        self.client = httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False)
-        self.proxy = Proxy(cfg, self.workers, self.policy, self.metrics, self.client)
-        self.health = HealthChecker(cfg, self.workers, self.client, self.worker_headers())
+        await self.upstream.start()
+        self.proxy = Proxy(cfg, self.workers, self.policy, self.metrics, self.upstream)
+        self.health = HealthChecker(cfg, self.workers, self.upstream, self.worker_headers())
         for url in cfg.worker_urls:
             self.workers.add(url, "flag")
         self.health.reload_worker_file()
@@ -105,79 +94,18 @@ class RouterState:
         if self.health is not None:
             await self.health.stop()
         await self.policy.stop()
-        if self.client is not None:
-            await self.client.aclose()
-
-
-def authorized(state: RouterState, request: Request) -> bool:
-    key = state.config.api_key
-    if not key or request.url.path in OPEN_PATHS:
-        return True
-    scheme, _, token = (request.headers.get("authorization") or "").strip().partition(" ")
-    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(),
-                                                              key.encode())
-
-
-async def _until_disconnect(work, receive) -> Response:
-    """Run ``work``; if the client disconnects first, cancel it (which closes the upstream
-    request, so the worker aborts it) and answer a 499 nobody will read."""
-    task = asyncio.ensure_future(work)
-
-    async def disconnected() -> None:
-        while (await receive())["type"] != "http.disconnect":
-            pass
-
-    watcher = asyncio.ensure_future(disconnected())
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-        if not task.done():
-            task.cancel()
-    if not task.cancelled() and task.done():
-        return task.result()
-    with contextlib.suppress(asyncio.CancelledError, Exception):
-        await task
-    return Response(status_code=499)
-
-
-async def generate(state: RouterState, request: Request) -> Response:
-    """The forwarding route: guards, admission, then the proxy."""
-    cfg, t0 = state.config, time.monotonic()
-    endpoint = ENDPOINTS[request.url.path]
-    try:
-        raw = await read_body(request.stream(), cfg.max_body_bytes)
-    except ClientDisconnect:
-        return Response(status_code=499)  # gone before its body arrived
-    route_req = route_request(endpoint, raw, cfg)
-    queued_at = time.monotonic()
-    await state.admission.acquire()
-    queued_s = time.monotonic() - queued_at
-    state.metrics.queue_wait.observe(queued_s)
-    stream = bool(route_req.body.get("stream"))
-    try:
-        resp = await _until_disconnect(
-            state.proxy.forward(request.url.path, route_req, raw, request.headers, stream,
-                                t0 + queued_s), request.receive)
-    except BaseException:
-        state.admission.release()
-        raise
-    if hasattr(resp, "on_close"):  # a stream: the slot is held until it ends
-        resp.on_close.append(state.admission.release)
-    else:
-        state.admission.release()
-    return resp
+        await self.upstream.close()
 
 
 async def list_models(state: RouterState) -> dict:
     """The union of the available workers' /v1/models, by id (first seen wins)."""
     async def one(worker: WorkerState) -> list[dict]:
         try:
-            resp = await state.client.get(f"{worker.url}/v1/models",
-                                          headers=state.worker_headers(),
-                                          timeout=state.config.health_check_timeout_secs)
-            return resp.json().get("data", []) if resp.status_code == 200 else []
-        except (httpx.HTTPError, ValueError, AttributeError):
+            status, body = await state.upstream.get(f"{worker.url}/v1/models",
+                                                    state.worker_headers(),
+                                                    state.config.health_check_timeout_secs)
+            return json.loads(body).get("data", []) if status == 200 else []
+        except (UpstreamError, ValueError, AttributeError):
             return []
     seen: dict[str, dict] = {}
     for models in await asyncio.gather(*(one(w) for w in state.workers.available())):
@@ -200,7 +128,7 @@ def build_app(config: RouterConfig) -> FastAPI:
         finally:
             await state.stop()
 
-    app = FastAPI(title="heron route", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app = RouterApp(title="heron route", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.router = state
 
     @app.exception_handler(Refused)
@@ -227,18 +155,39 @@ class AuthMiddleware:
         self.state = state
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and not authorized(self.state, Request(scope)):
-            resp = error_response(401, "Incorrect API key provided.", "invalid_request_error")
-            await resp(scope, receive, send)
+        if scope["type"] == "http" and not authorized(
+                self.state.config.api_key, scope["path"],
+                Headers(scope=scope).get("authorization")):
+            await unauthorized()(scope, receive, send)
             return
         await self.app(scope, receive, send)
 
 
+class RouterApp(FastAPI):
+    """FastAPI, except that POST to a forwarding route goes straight to ``ingress.forward``
+    (it checks the API key itself). Everything else, lifespan included, is FastAPI's."""
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST" and scope["path"] in ENDPOINTS:
+            await forward(self.state.router, scope, receive, send)
+            return
+        await super().__call__(scope, receive, send)
+
+
+class ForwardRoute:
+    """The forwarding routes as FastAPI sees them (plain ASGI endpoints), so a wrong method
+    gets its 405; ``RouterApp`` normally answers POST before routing."""
+
+    def __init__(self, state: RouterState) -> None:
+        self.state = state
+
+    async def __call__(self, scope, receive, send) -> None:
+        await forward(self.state, scope, receive, send)
+
+
 def _add_routes(app: FastAPI, state: RouterState) -> None:
-    @app.post("/v1/completions")
-    @app.post("/v1/chat/completions")
-    async def forward(request: Request) -> Response:
-        return await generate(state, request)
+    for path in ENDPOINTS:
+        app.add_route(path, ForwardRoute(state), methods=["POST"])
 
     @app.get("/v1/models")
     async def models() -> dict:

@@ -9,7 +9,9 @@ a flag. Refusals carry the same OpenAI error body as `heron serve`
 from __future__ import annotations
 
 import json
-from typing import AsyncIterator
+
+import msgspec
+from starlette.requests import ClientDisconnect
 
 from heron.route.admission import Refused
 from heron.route.config import RouterConfig
@@ -23,22 +25,33 @@ def _bad(message: str, param: str | None = None, status: int = 400,
     return Refused(status, message, "invalid_request_error", reason, param=param)
 
 
-async def read_body(chunks: AsyncIterator[bytes], limit: int) -> bytes:
-    """The request body, refused with 413 as soon as it passes ``limit`` bytes."""
+async def read_body(receive, limit: int) -> bytes:
+    """The request body from ASGI ``receive``, refused with 413 as soon as it passes
+    ``limit`` bytes; raises ``ClientDisconnect`` if the client leaves first."""
     parts, size = [], 0
-    async for chunk in chunks:
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ClientDisconnect()
+        chunk = message.get("body", b"")
         size += len(chunk)
         if limit and size > limit:
             raise _bad(f"request body larger than {limit} bytes", None, 413, "body_too_large")
         parts.append(chunk)
-    return b"".join(parts)
+        if not message.get("more_body", False):
+            return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
 def parse_body(raw: bytes) -> dict:
+    """The body as a dict, decoded once (msgspec: a few times faster than ``json``; what it
+    refuses, e.g. NaN or integers past 64 bits, gets ``json``'s verdict and error message)."""
     try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise _bad(f"request body is not valid JSON: {exc}") from None
+        body = msgspec.json.decode(raw)
+    except msgspec.DecodeError:
+        try:
+            body = json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise _bad(f"request body is not valid JSON: {exc}") from None
     if not isinstance(body, dict):
         raise _bad("request body must be a JSON object")
     return body

@@ -11,13 +11,13 @@ healthy again after ``health_success_threshold`` consecutive good ones.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import re
 
-import httpx
-
 from heron.route.config import RouterConfig
+from heron.route.upstream import Upstream, UpstreamError
 from heron.route.workers import WorkerRegistry, WorkerState, read_worker_file
 
 logger = logging.getLogger("heron.route")
@@ -50,10 +50,10 @@ class HealthChecker:
     own (the app checks each new worker once before its policy hears of it)."""
 
     def __init__(self, config: RouterConfig, registry: WorkerRegistry,
-                 client: httpx.AsyncClient, headers: dict[str, str]) -> None:
+                 upstream: Upstream, headers: dict[str, str]) -> None:
         self.config = config
         self.registry = registry
-        self.client = client
+        self.upstream = upstream
         self.headers = headers
         self._task: asyncio.Task | None = None
         self._file_mtime: float | None = None
@@ -107,34 +107,35 @@ class HealthChecker:
                                "in flight aborted)", worker.url,
                                worker.consecutive_health_failures, aborted)
 
-    async def _get(self, worker: WorkerState, path: str) -> httpx.Response | None:
+    async def _get(self, worker: WorkerState, path: str) -> tuple[int, bytes]:
+        """(status, body) of a GET within the health-check timeout; (0, b"") on failure."""
         try:
-            return await self.client.get(worker.url + path, headers=self.headers,
-                                         timeout=self.config.health_check_timeout_secs)
-        except (httpx.HTTPError, OSError):
-            return None
+            return await self.upstream.get(worker.url + path, self.headers,
+                                           self.config.health_check_timeout_secs)
+        except UpstreamError:
+            return 0, b""
 
     async def _get_ok(self, worker: WorkerState, path: str) -> bool:
-        resp = await self._get(worker, path)
-        return resp is not None and resp.status_code == 200
+        status, _ = await self._get(worker, path)
+        return status == 200
 
     async def _scrape_metrics(self, worker: WorkerState) -> None:
-        resp = await self._get(worker, "/metrics")
-        if resp is None or resp.status_code != 200:
+        status, body = await self._get(worker, "/metrics")
+        if status != 200:
             return
-        for name, value in parse_metrics(resp.text).items():
+        for name, value in parse_metrics(body.decode("utf-8", "replace")).items():
             setattr(worker, _SCRAPED[name], int(value) if "num_" in name else value)
 
     async def _fetch_server_info(self, worker: WorkerState) -> None:
         """Replace ``server_info`` only when its content changed: policies may key on the
         object's identity to notice a reconfigured worker. 404: the worker has none."""
-        resp = await self._get(worker, "/server_info")
-        if resp is None or resp.status_code not in (200, 404):
+        status, body = await self._get(worker, "/server_info")
+        if status not in (200, 404):
             return
         info = None
-        if resp.status_code == 200:
+        if status == 200:
             try:
-                info = resp.json()
+                info = json.loads(body)
             except ValueError:
                 return
         info = info if isinstance(info, dict) else None

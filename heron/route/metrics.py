@@ -2,14 +2,16 @@
 and alerts depend on them). One registry per app, so in-process tests do not collide.
 
 Per-worker gauges (health, load, breaker state, the worker's own prefix-cache hit rate) are
-read from the registry at scrape time; counters and histograms are updated as requests go.
+read from the registry at scrape time; counters and histograms are updated as requests go,
+through memoized label children (``labels`` costs a lock and a validation per call, several
+times per request otherwise).
 """
 
 from __future__ import annotations
 
-import json
 import time
 
+import msgspec
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import choose_encoder
 
@@ -19,6 +21,42 @@ from heron.route.workers import WorkerRegistry
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 OVERHEAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5)
 P = "heron_router:"
+
+
+class _Usage(msgspec.Struct):
+    usage: dict | None = None
+
+
+_USAGE = msgspec.json.Decoder(_Usage)
+
+
+def usage_of(body: bytes) -> dict | None:
+    """The ``usage`` object of a JSON response body (None when absent or not an object);
+    only that field is decoded."""
+    try:
+        return _USAGE.decode(body).usage
+    except msgspec.DecodeError:
+        return None
+
+
+class Children:
+    """A labelled counter or histogram whose ``labels(*values)`` children are memoized (a
+    child is never removed from its metric, so the memo cannot go stale)."""
+
+    __slots__ = ("metric", "_children")
+
+    def __init__(self, metric) -> None:
+        self.metric = metric
+        self._children: dict[tuple, object] = {}
+
+    def labels(self, *values: str):
+        child = self._children.get(values)
+        if child is None:
+            child = self._children[values] = self.metric.labels(*values)
+        return child
+
+    def collect(self):
+        return self.metric.collect()
 
 
 class RouterMetrics:
@@ -32,38 +70,42 @@ class RouterMetrics:
         self.cost_per_gpu_hour = cost_per_gpu_hour
         self._started = time.monotonic()
         r = self.registry
-        self.requests = Counter(f"{P}requests", "Requests answered, by route, worker and "
-                                "HTTP status.", ["route", "worker", "status"], registry=r)
-        self.errors = Counter(f"{P}errors", "Failed upstream attempts and refusals, by route, "
-                              "worker and kind.", ["route", "worker", "kind"], registry=r)
-        self.latency = Histogram(f"{P}request_latency_seconds", "Request latency (arrival to "
-                                 "last byte), by route and worker.", ["route", "worker"],
-                                 buckets=LATENCY_BUCKETS, registry=r)
-        self.ttfb = Histogram(f"{P}time_to_first_byte_seconds", "Arrival to the first byte "
-                              "sent to the client.", ["route"], buckets=LATENCY_BUCKETS,
-                              registry=r)
+
+        def counter(name: str, doc: str, labels: list[str]) -> Children:
+            return Children(Counter(P + name, doc, labels, registry=r))
+
+        def histogram(name: str, doc: str, labels: list[str]) -> Children:
+            return Children(Histogram(P + name, doc, labels, buckets=LATENCY_BUCKETS,
+                                      registry=r))
+
+        self.requests = counter("requests", "Requests answered, by route, worker and HTTP "
+                                "status.", ["route", "worker", "status"])
+        self.errors = counter("errors", "Failed upstream attempts and refusals, by route, "
+                              "worker and kind.", ["route", "worker", "kind"])
+        self.latency = histogram("request_latency_seconds", "Request latency (arrival to last "
+                                 "byte), by route and worker.", ["route", "worker"])
+        self.ttfb = histogram("time_to_first_byte_seconds", "Arrival to the first byte sent "
+                              "to the client.", ["route"])
         self.overhead = Histogram(f"{P}router_overhead_seconds", "Time the router itself adds "
                                   "before dispatch: guards, admission (queue wait excluded), "
                                   "policy.", buckets=OVERHEAD_BUCKETS, registry=r)
         self.queue_wait = Histogram(f"{P}queue_wait_seconds", "Time spent in the router's "
                                     "queue.", buckets=LATENCY_BUCKETS, registry=r)
-        self.decisions = Counter(f"{P}routing_decisions", "Routing decisions by policy and "
-                                 "reason.", ["policy", "reason"], registry=r)
-        self.predicted_hit = Counter(f"{P}predicted_prefix_hit_tokens", "Prompt tokens the "
-                                     "policy predicted cached on the chosen worker.", ["worker"],
-                                     registry=r)
-        self.routed_prompt = Counter(f"{P}routed_prompt_tokens", "Estimated prompt tokens "
-                                     "routed.", ["worker"], registry=r)
-        self.retries = Counter(f"{P}retries", "Attempts retried on another worker, by reason.",
-                               ["route", "reason"], registry=r)
-        self.rejected = Counter(f"{P}rejected", "Requests refused by the router itself, by "
-                                "reason.", ["reason"], registry=r)
-        self.transitions = Counter(f"{P}breaker_transitions", "Circuit breaker transitions.",
-                                   ["worker", "from_state", "to_state"], registry=r)
-        self.prompt_tokens = Counter(f"{P}prompt_tokens", "Prompt tokens (from usage).",
-                                     ["model"], registry=r)
-        self.generation_tokens = Counter(f"{P}generation_tokens", "Generated tokens (from "
-                                         "usage).", ["model"], registry=r)
+        self.decisions = counter("routing_decisions", "Routing decisions by policy and "
+                                 "reason.", ["policy", "reason"])
+        self.predicted_hit = counter("predicted_prefix_hit_tokens", "Prompt tokens the policy "
+                                     "predicted cached on the chosen worker.", ["worker"])
+        self.routed_prompt = counter("routed_prompt_tokens", "Estimated prompt tokens routed.",
+                                     ["worker"])
+        self.retries = counter("retries", "Attempts retried on another worker, by reason.",
+                               ["route", "reason"])
+        self.rejected = counter("rejected", "Requests refused by the router itself, by "
+                                "reason.", ["reason"])
+        self.transitions = counter("breaker_transitions", "Circuit breaker transitions.",
+                                   ["worker", "from_state", "to_state"])
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens (from usage).", ["model"])
+        self.generation_tokens = counter("generation_tokens", "Generated tokens (from usage).",
+                                         ["model"])
         self._gauges()
 
     def _gauges(self) -> None:
@@ -154,9 +196,6 @@ class UsageScanner:
             return
         for line in data[:cut].splitlines():
             if line.startswith(b"data: {") and b'"usage"' in line:
-                try:
-                    usage = json.loads(line[6:]).get("usage")
-                except ValueError:
-                    continue
-                if isinstance(usage, dict):
+                usage = usage_of(line[6:])
+                if usage is not None:
                     self.usage = usage

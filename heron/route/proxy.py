@@ -14,20 +14,18 @@ back down) and gives its breaker exactly one verdict, whatever way it ends.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import random
 import time
 
-import httpx
 from starlette.responses import Response
 
 from heron.route.admission import MAX_RETRY_AFTER_S, Refused, saturation_refusal
 from heron.route.config import RouterConfig
-from heron.route.metrics import RouterMetrics
+from heron.route.metrics import RouterMetrics, usage_of
 from heron.route.policies.base import Decision, Policy, RouteRequest
-from heron.route.relay import (Attempt, RelayResponse, close_quietly, failure_reason,
-                               relay)
+from heron.route.relay import Attempt, RelayResponse, close_quietly, relay
+from heron.route.upstream import Upstream, UpstreamError, UpstreamResponse, failure_reason
 from heron.route.workers import WorkerRegistry, WorkerState
 
 logger = logging.getLogger("heron.route")
@@ -50,12 +48,12 @@ class Proxy:
     what it records on the workers, the breakers and the metrics."""
 
     def __init__(self, config: RouterConfig, workers: WorkerRegistry, policy: Policy,
-                 metrics: RouterMetrics, client: httpx.AsyncClient) -> None:
+                 metrics: RouterMetrics, upstream: Upstream) -> None:
         self.config = config
         self.workers = workers
         self.policy = policy
         self.metrics = metrics
-        self.client = client
+        self.upstream = upstream
         self._rng = random.Random()
 
     def upstream_headers(self, client_headers) -> dict[str, str]:
@@ -93,7 +91,7 @@ class Proxy:
         return max(0.0, base * jitter) / 1000
 
     async def forward(self, path: str, request: RouteRequest, raw: bytes, client_headers,
-                      stream: bool, t0: float) -> Response:
+                      stream: bool, t0: float) -> Response | RelayResponse:
         """Answer one request: retries until committed; raises :class:`Refused`."""
         headers = self.upstream_headers(client_headers)
         tried: set[str] = set()
@@ -133,7 +131,7 @@ class Proxy:
                       "upstream_error", "exhausted")
 
     async def _attempt(self, path: str, request: RouteRequest, decision: Decision, raw: bytes,
-                       headers: dict, stream: bool, t0: float) -> Response:
+                       headers: dict, stream: bool, t0: float) -> Response | RelayResponse:
         worker = decision.worker
         worker.breaker.acquire()
         attempt = Attempt(worker, request)
@@ -145,93 +143,85 @@ class Proxy:
         resp = None
         try:
             async with asyncio.timeout(self.config.request_timeout_secs):
-                resp = await self._send(worker, path, raw, headers)
+                resp = await self.upstream.post(worker.url + path, raw, headers)
                 await self._check_status(worker, resp, attempt)
-                body = b"" if stream and resp.status_code == 200 else await resp.aread()
+                body = b"" if stream and resp.status == 200 else await resp.read()
         except asyncio.TimeoutError:
-            await close_quietly(resp)
+            close_quietly(resp)
             attempt.finish("failure")
             raise RetryableFailure("timeout") from None
         except RetryableFailure:
-            await close_quietly(resp)
+            close_quietly(resp)
             raise
-        except (httpx.HTTPError, OSError) as exc:
-            await close_quietly(resp)
+        except UpstreamError as exc:
+            close_quietly(resp)
             attempt.finish("failure")
-            raise RetryableFailure(failure_reason(exc)) from None
+            raise RetryableFailure(exc.reason) from None
         except BaseException as exc:  # cancelled: the worker went down, or the client left
             aborted = isinstance(exc, asyncio.CancelledError) and attempt.take_abort()
-            await close_quietly(resp)
+            close_quietly(resp)
             attempt.finish("failure" if aborted else "none")
             if aborted:
                 raise RetryableFailure("unhealthy") from None
             raise
-        if stream and resp.status_code == 200:
+        if stream and resp.status == 200:
             return await self._commit_stream(path, request, attempt, resp, t0)
+        close_quietly(resp)  # read to its end: the connection goes back to the pool
         return self._complete(path, request, attempt, resp, body, t0)
 
-    async def _send(self, worker: WorkerState, path: str, raw: bytes,
-                    headers: dict) -> httpx.Response:
-        req = self.client.build_request("POST", worker.url + path, content=raw, headers=headers)
-        return await self.client.send(req, stream=True)
-
-    async def _check_status(self, worker: WorkerState, resp: httpx.Response,
+    async def _check_status(self, worker: WorkerState, resp: UpstreamResponse,
                             attempt: Attempt) -> None:
         """Raise RetryableFailure for a 429 or 5xx (after reading its small body)."""
-        if resp.status_code not in RETRYABLE_STATUS:
+        if resp.status not in RETRYABLE_STATUS:
             return
-        body = await resp.aread()
-        kept = {k: v for k, v in resp.headers.items() if k.lower() in PASSED_HEADERS}
-        if resp.status_code == 429:
+        body = await resp.read()
+        kept = resp.picked_headers(PASSED_HEADERS)
+        if resp.status == 429:
             rest = min(MAX_RETRY_AFTER_S, max(self.config.worker_429_cooldown_secs,
                                               _retry_after(resp)))
             worker.saturated_until = time.monotonic() + rest
             attempt.finish("none")  # backpressure, not breakage
-            raise RetryableFailure("status_429", (resp.status_code, body, kept))
+            raise RetryableFailure("status_429", (resp.status, body, kept))
         attempt.finish("failure")
-        raise RetryableFailure(f"status_{resp.status_code}", (resp.status_code, body, kept))
+        raise RetryableFailure(f"status_{resp.status}", (resp.status, body, kept))
 
     def _complete(self, path: str, request: RouteRequest, attempt: Attempt,
-                  resp: httpx.Response, body: bytes, t0: float) -> Response:
+                  resp: UpstreamResponse, body: bytes, t0: float) -> Response:
         attempt.finish("success")
         url = attempt.worker.url
-        self.metrics.requests.labels(path, url, str(resp.status_code)).inc()
+        self.metrics.requests.labels(path, url, str(resp.status)).inc()
         self.metrics.latency.labels(path, url).observe(time.monotonic() - t0)
         self.metrics.ttfb.labels(path).observe(time.monotonic() - t0)
-        if resp.status_code == 200 and b'"usage"' in body:
-            try:
-                usage = json.loads(body).get("usage")
-            except ValueError:
-                usage = None
-            if isinstance(usage, dict):
+        if resp.status == 200 and b'"usage"' in body:
+            usage = usage_of(body)
+            if usage is not None:
                 self.metrics.record_usage(request.body.get("model") or "", usage)
-        headers = {k: v for k, v in resp.headers.items() if k.lower() in PASSED_HEADERS}
-        return Response(body, resp.status_code, headers=headers)
+        return Response(body, resp.status, headers=resp.picked_headers(PASSED_HEADERS))
 
     async def _commit_stream(self, path: str, request: RouteRequest, attempt: Attempt,
-                             resp: httpx.Response, t0: float) -> Response:
+                             resp: UpstreamResponse, t0: float) -> RelayResponse:
         """Wait for the first chunk (still retryable), then stream the rest through."""
-        chunks = resp.aiter_raw()
+        chunks = resp.chunks()
         try:
             async with asyncio.timeout(self.config.request_timeout_secs):
                 first = await anext(chunks, b"")
         except BaseException as exc:
             aborted = isinstance(exc, asyncio.CancelledError) and attempt.take_abort()
-            await close_quietly(resp)
-            if aborted or isinstance(exc, (httpx.HTTPError, OSError, asyncio.TimeoutError)):
+            close_quietly(resp)
+            if aborted or isinstance(exc, (UpstreamError, asyncio.TimeoutError)):
                 attempt.finish("failure")
                 raise RetryableFailure("unhealthy" if aborted else failure_reason(exc)) \
                     from None
             attempt.finish("none")
             raise
-        headers = {k: v for k, v in resp.headers.items() if k.lower() in PASSED_HEADERS}
+        headers = resp.picked_headers(PASSED_HEADERS)
         body = relay(self.metrics, self.config.request_timeout_secs, path, request, attempt, resp,
                      chunks, first, t0)
-        return RelayResponse(body, attempt, resp, status_code=resp.status_code,
+        return RelayResponse(body, attempt, resp, status_code=resp.status,
                              headers=headers)
 
 
-def _retry_after(resp: httpx.Response) -> float:
+def _retry_after(resp: UpstreamResponse) -> float:
     try:
         return float(resp.headers.get("retry-after", 0))
     except ValueError:

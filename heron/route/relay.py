@@ -15,12 +15,10 @@ import logging
 import time
 from dataclasses import dataclass
 
-import anyio
-import httpx
-from starlette.responses import StreamingResponse
-
+from heron.route.asgi import until_disconnect
 from heron.route.metrics import RouterMetrics, UsageScanner
 from heron.route.policies.base import RouteRequest
+from heron.route.upstream import UpstreamError, UpstreamResponse, failure_reason
 from heron.route.workers import WorkerState
 
 logger = logging.getLogger("heron.route")
@@ -83,7 +81,7 @@ def error_event(message: str, type_: str = "upstream_error", code: int = 502) ->
 
 
 async def relay(metrics: RouterMetrics, timeout_s: float, path: str, request: RouteRequest,
-                attempt: Attempt, resp: httpx.Response, chunks, first: bytes, t0: float):
+                attempt: Attempt, resp: UpstreamResponse, chunks, first: bytes, t0: float):
     """The streamed body: the first chunk, then the rest as it arrives. A failure ends
     the stream with an error event; a client that leaves closes the upstream response
     (the worker sees the disconnect and aborts the request)."""
@@ -110,7 +108,7 @@ async def relay(metrics: RouterMetrics, timeout_s: float, path: str, request: Ro
         if attempt.aborted:  # marked while this task wrote to the client
             raise asyncio.CancelledError
         verdict = "success"
-    except (httpx.HTTPError, OSError, asyncio.TimeoutError, asyncio.CancelledError) as exc:
+    except (UpstreamError, asyncio.TimeoutError, asyncio.CancelledError) as exc:
         if isinstance(exc, asyncio.CancelledError) and not attempt.aborted:
             raise  # the client left
         attempt.take_abort()  # withdraws the abort's cancellation, if it made one
@@ -120,8 +118,7 @@ async def relay(metrics: RouterMetrics, timeout_s: float, path: str, request: Ro
         logger.warning("stream from %s broke after its first byte: %s", url, reason)
         yield error_event(f"the worker's stream broke ({reason})")
     finally:
-        with anyio.CancelScope(shield=True):
-            await close_quietly(resp)
+        close_quietly(resp)
         attempt.finish("failure" if attempt.aborted else verdict)
         metrics.requests.labels(path, url, "client_closed" if verdict == "none"
                                 else status).inc()
@@ -130,41 +127,45 @@ async def relay(metrics: RouterMetrics, timeout_s: float, path: str, request: Ro
             metrics.record_usage(request.body.get("model") or "", usage.usage)
 
 
-class RelayResponse(StreamingResponse):
-    """A streamed response that always cleans up: however the ASGI call ends (finished, client
-    gone, cancelled before the body started), the relay generator is closed and the attempt
-    finished, so no worker keeps a phantom outstanding request."""
+class RelayResponse:
+    """A streamed response (plain ASGI: no task group per response) that always cleans up:
+    however the call ends (finished, client gone, cancelled before the body started), the
+    relay generator is closed and the attempt finished, so no worker keeps a phantom
+    outstanding request, then the ``on_close`` callbacks run. A client that leaves is noticed
+    by a watcher on ``receive`` (``until_disconnect``), which cancels the stream."""
 
-    def __init__(self, content, attempt: Attempt, upstream: httpx.Response, **kw) -> None:
-        super().__init__(content, **kw)
+    def __init__(self, content, attempt: Attempt, upstream: UpstreamResponse,
+                 status_code: int, headers: dict[str, str]) -> None:
+        self.body_iterator = content
+        self.status_code = status_code
+        self.raw_headers = [(k.lower().encode("latin-1"), v.encode("latin-1"))
+                            for k, v in headers.items()]
         self._attempt = attempt
         self._upstream = upstream
         self.on_close: list = []  # callables run once the response is over, however it ended
 
     async def __call__(self, scope, receive, send) -> None:
         try:
-            await super().__call__(scope, receive, send)
+            await until_disconnect(self._stream(send), receive)
         finally:
-            with anyio.CancelScope(shield=True):
-                await self.body_iterator.aclose()
-                if not self._attempt.done:  # the body never started
-                    await close_quietly(self._upstream)
-                    self._attempt.finish("none")
-                for callback in self.on_close:
-                    callback()
+            # nothing below suspends (relay's cleanup is synchronous): a pending
+            # cancellation cannot cut it short
+            await self.body_iterator.aclose()
+            if not self._attempt.done:  # the body never started
+                close_quietly(self._upstream)
+                self._attempt.finish("none")
+            for callback in self.on_close:
+                callback()
+
+    async def _stream(self, send) -> None:
+        await send({"type": "http.response.start", "status": self.status_code,
+                    "headers": self.raw_headers})
+        async for chunk in self.body_iterator:
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
-def failure_reason(exc: BaseException) -> str:
-    if isinstance(exc, (httpx.TimeoutException, asyncio.TimeoutError)):
-        return "timeout"
-    if isinstance(exc, httpx.ConnectError):
-        return "connect"
-    return "read"
-
-
-async def close_quietly(resp: httpx.Response | None) -> None:
+def close_quietly(resp: UpstreamResponse | None) -> None:
+    """Close a response that may not exist (synchronous: it cannot be interrupted)."""
     if resp is not None:
-        try:
-            await resp.aclose()
-        except (httpx.HTTPError, OSError):
-            pass
+        resp.close()

@@ -68,7 +68,10 @@ class HttpOptions:
             raise ValueError(f"the body timeout must be > 0, got {self.body_timeout_s}")
 
     def uvicorn_kwargs(self) -> dict[str, Any]:
-        """What ``uvicorn.Config`` takes from these options."""
+        """What ``uvicorn.Config`` takes from these options. The HTTP protocol is pinned to
+        h11 on the asyncio loop (uvicorn would pick httptools and uvloop when installed, as
+        they are for `heron route`): the server's framing rules are tested on h11."""
         return {"log_level": self.uvicorn_log_level, "ssl_keyfile": self.ssl_keyfile,
                 "ssl_certfile": self.ssl_certfile, "ssl_ca_certs": self.ssl_ca_certs,
-                "access_log": self.uvicorn_log_level in ("info", "debug", "trace")}
+                "access_log": self.uvicorn_log_level in ("info", "debug", "trace"),
+                "http": "h11", "loop": "asyncio"}
