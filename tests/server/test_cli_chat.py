@@ -37,7 +37,8 @@ class Terminal:
     def __init__(self, argv: list[str], env: dict[str, str]) -> None:
         self.pid, self.fd = pty.fork()
         if self.pid == 0:  # the child: becomes the program, with a shell's signal state
-            # (whatever earlier tests left in this process: Ctrl-C must reach the program)
+            # (pytest started as a background job has SIGINT ignored, which a child would
+            # inherit: Ctrl-C must reach the program)
             signal.signal(signal.SIGINT, signal.SIG_DFL)
             signal.pthread_sigmask(signal.SIG_SETMASK, [])
             os.execve(argv[0], argv, env)
