@@ -21,26 +21,12 @@ CTRL_C, CTRL_D, UP = b"\x03", b"\x04", b"\x1b[A"
 MAX_TOKENS = 3000  # far more than the time between the first token and Ctrl-C allows
 
 
-def _signal_state(pid: int) -> str:
-    """The child's blocked, ignored and caught signal masks (for failure messages)."""
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            return " ".join(line.strip() for line in f
-                            if line.startswith(("SigBlk", "SigIgn", "SigCgt", "State")))
-    except OSError:
-        return "no /proc status"
-
-
 class Terminal:
     """A child process on a pty; ``expect`` reads until a pattern shows (bounded in time)."""
 
     def __init__(self, argv: list[str], env: dict[str, str]) -> None:
         self.pid, self.fd = pty.fork()
-        if self.pid == 0:  # the child: becomes the program, with a shell's signal state
-            # (pytest started as a background job has SIGINT ignored, which a child would
-            # inherit: Ctrl-C must reach the program)
-            signal.signal(signal.SIGINT, signal.SIG_DFL)
-            signal.pthread_sigmask(signal.SIG_SETMASK, [])
+        if self.pid == 0:  # the child: becomes the program
             os.execve(argv[0], argv, env)
         # a terminal of 40 x 120 (a pty starts at 0 x 0, where progress bars draw nothing)
         fcntl.ioctl(self.fd, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
@@ -71,9 +57,7 @@ class Terminal:
             pid, status = os.waitpid(self.pid, os.WNOHANG)
         except ChildProcessError:
             return "already reaped"
-        if pid:
-            return f"exited with {os.waitstatus_to_exitcode(status)}"
-        return f"running; {_signal_state(self.pid)}"
+        return f"exited with {os.waitstatus_to_exitcode(status)}" if pid else "running"
 
     def send(self, data: bytes) -> None:
         os.write(self.fd, data)
